@@ -1,0 +1,45 @@
+"""eugo-dask: put each chunk task of a dask.array graph on the GPU only where it pays.
+
+>>> import dask, dask.array as da
+>>> from eugo_dask import eugo, explain
+>>> with dask.config.set(optimizations=[eugo]):   # doctest: +SKIP
+...     result = (a @ b).sum().compute()
+
+Importing this package registers the ``eugo.*`` config defaults and the bridge that runs the
+``optimizations`` config list (see :mod:`eugo_dask.optimization`); with that list empty no graph
+changes. CuPy is imported only when a CuPy device is asked for.
+"""
+
+from eugo_dask.config import Settings, read_settings, register_defaults
+from eugo_dask.devices import (
+    EmulatedDeviceArray,
+    EmulatedOutOfMemoryError,
+    device_stats,
+    reset_device_stats,
+)
+from eugo_dask.optimization import bridge, eugo, explain, install_bridge
+from eugo_dask.planner import Decision, Plan
+from eugo_dask.profile import PRESETS, Profile, ProfileError, load_profile
+
+register_defaults()
+install_bridge()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "Decision",
+    "EmulatedDeviceArray",
+    "EmulatedOutOfMemoryError",
+    "Plan",
+    "Profile",
+    "ProfileError",
+    "Settings",
+    "bridge",
+    "device_stats",
+    "eugo",
+    "explain",
+    "load_profile",
+    "read_settings",
+    "reset_device_stats",
+]

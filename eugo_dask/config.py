@@ -1,0 +1,121 @@
+"""Configuration: defaults under the ``eugo:`` key of Dask's config, and validated settings.
+
+Defaults live in ``eugo.yaml`` (documented there) with a JSON-schema twin in
+``eugo-schema.yaml``; both are registered with ``dask.config.update_defaults`` at import. Set
+values with ``dask.config.set({"eugo.min-speedup": 3})`` or the environment
+(``DASK_EUGO__MIN_SPEEDUP=3``). Values are read when a graph is optimized, never at import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import dask
+import yaml
+from dask.utils import parse_bytes
+
+from eugo_dask.devices import DEVICES, cupy_device_name, resolve_device_name
+from eugo_dask.profile import PRESETS
+
+_HERE = os.path.dirname(__file__)
+
+
+def _load_yaml(name: str) -> dict[str, Any]:
+    with open(os.path.join(_HERE, name)) as f:
+        return yaml.safe_load(f)
+
+
+def register_defaults() -> None:
+    dask.config.update_defaults(_load_yaml("eugo.yaml"))
+
+
+def schema() -> dict[str, Any]:
+    """The JSON schema of the ``eugo`` config section."""
+    return _load_yaml("eugo-schema.yaml")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``eugo.*`` settings in force for one optimization, validated."""
+
+    device: str
+    profile: Any
+    min_speedup: float
+    resource: str
+    device_memory_fraction: float
+    emulated_memory_limit: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def resolved(self) -> Settings:
+        """These settings with ``device`` and ``profile`` resolved here (``auto`` -> what this
+        machine has), so they can be carried to a process that has no GPU: the scheduler."""
+        device = resolve_device_name(self.device) or "none"
+        return Settings(**{**asdict(self), "device": device,
+                           "profile": resolve_profile(self.profile, device)})
+
+
+def _number(key: str, value: Any, *, minimum: float, maximum: float | None = None,
+            exclusive_minimum: bool = False) -> float:
+    allowed = (f"a number {'>' if exclusive_minimum else '>='} {minimum:g}"
+               + (f" and <= {maximum:g}" if maximum is not None else ""))
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be {allowed}; got {value!r}") from None
+    low_ok = number > minimum if exclusive_minimum else number >= minimum
+    if isinstance(value, bool) or not low_ok or (maximum is not None and number > maximum):
+        raise ValueError(f"{key} must be {allowed}; got {value!r}")
+    return number
+
+
+def read_settings() -> Settings:
+    """Read and validate the ``eugo.*`` config now in force."""
+    device = dask.config.get("eugo.device")
+    if device not in DEVICES:
+        raise ValueError(f"eugo.device must be one of {list(DEVICES)}; got {device!r}")
+    resource = dask.config.get("eugo.resource")
+    if not isinstance(resource, str) or not resource:
+        raise ValueError(f"eugo.resource must be a non-empty worker resource name; got {resource!r}")
+    memory_limit = dask.config.get("eugo.emulated.memory-limit")
+    try:
+        memory_limit_bytes = parse_bytes(memory_limit)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"eugo.emulated.memory-limit must be a byte count or size like '16 GiB'; "
+            f"got {memory_limit!r}"
+        ) from None
+    return Settings(
+        device=device,
+        profile=dask.config.get("eugo.profile"),
+        min_speedup=_number("eugo.min-speedup", dask.config.get("eugo.min-speedup"), minimum=0),
+        resource=resource,
+        device_memory_fraction=_number(
+            "eugo.device-memory-fraction", dask.config.get("eugo.device-memory-fraction"),
+            minimum=0, maximum=1, exclusive_minimum=True,
+        ),
+        emulated_memory_limit=memory_limit_bytes,
+    )
+
+
+# Substrings of CUDA device names -> presets, most specific first.
+_DEVICE_PRESETS = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"),
+                   ("A100", "a100"), ("L4", "l4"), ("T4", "t4"))
+
+
+def resolve_profile(profile: Any, device: str) -> Any:
+    """``auto`` -> the preset matching the local CUDA device (h200 for the emulated device or
+    an unknown GPU); anything else is returned as given."""
+    if profile != "auto":
+        return profile
+    name = cupy_device_name() if device == "cupy" else None
+    for needle, preset in _DEVICE_PRESETS:
+        if name and needle in name:
+            return preset
+    return "h200"
+
+
+__all__ = ["PRESETS", "Settings", "read_settings", "register_defaults", "resolve_profile", "schema"]

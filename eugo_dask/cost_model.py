@@ -1,0 +1,365 @@
+"""Pure estimates: what a chunk task costs on the CPU, on the GPU, and to move.
+
+Given a task's op family (from its function), the shapes and dtypes of its inputs and output and
+a :class:`~eugo_dask.profile.Profile`, :func:`estimate_task` returns FLOPs, bytes and estimated
+seconds per device. Transfers are priced by :func:`estimate_h2d_seconds` and
+:func:`estimate_d2h_seconds`. Nothing here imports CuPy or distributed, and nothing decides:
+placement is the planner's job.
+
+The model, per op family (``n`` elements, ``b`` bytes, rates from the profile):
+
+- elementwise ufuncs: ``max(traffic / bandwidth, n * weight / flop_rate)`` per ufunc, where
+  ``weight`` is the ufunc's cost in flop-equivalents per element (:data:`UFUNC_WEIGHTS`: add is 1,
+  divide 4, exp/log/sin 20, power 40); fused chains add their ops up, each with its temporaries;
+- matmul/tensordot/dot/einsum: ``2 * sqrt(|A| |B| |C|)`` FLOPs at the BLAS/cuBLAS rate, scaled by
+  an efficiency ramp for small matrices;
+- FFT: ``5 n log2 n`` FLOPs (half for real input), plus cuFFT plan creation on the GPU;
+- reductions (chunk step): one pass over the input; aggregation of partials never offloads;
+- creation (random, ones, arange), I/O getters, ``map_blocks`` of unknown functions: CPU only;
+- data movement (getitem, concatenate, rechunk, transpose): bytes copied;
+- fixed costs: per-task Python dispatch on the CPU; CuPy call and kernel launch per op on the GPU;
+  link latency per transfer.
+
+CPU seconds are per task as Dask runs it: one worker thread, except matmul whose BLAS uses all
+cores. The planner divides per-thread estimates by the number of chunks that can run side by side.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from eugo_dask.devices import device_dtype_ok
+from eugo_dask.profile import Profile
+
+# Efficiency factors applied to the profile's peaks (spec sheets give peaks; kernels reach less).
+GPU_BANDWIDTH_EFFICIENCY = 0.8
+GPU_FLOPS_EFFICIENCY = 0.5
+GPU_MATMUL_EFFICIENCY = 0.8
+GPU_FFT_FLOPS_EFFICIENCY = 0.3
+# Matrix size at which matmul reaches half its peak rate (n = cube root of m*n*k).
+CPU_MATMUL_HALF_N = 32
+GPU_MATMUL_HALF_N = 256
+# Per NumPy call inside a task (Python overhead beyond the task's dispatch).
+CPU_CALL_S = 1e-6
+
+#: Reductions whose result keeps the chunk's shape.
+CUMULATIVE = frozenset("cumsum cumprod nancumsum nancumprod".split())
+
+#: Cost of one element of a ufunc, in flop-equivalents (add = 1).
+UFUNC_WEIGHTS: dict[str, float] = {
+    **dict.fromkeys(
+        "add subtract multiply negative positive absolute fabs maximum minimum fmax fmin "
+        "equal not_equal less less_equal greater greater_equal logical_and logical_or "
+        "logical_xor logical_not bitwise_and bitwise_or bitwise_xor invert left_shift "
+        "right_shift sign square conjugate copysign rint floor ceil trunc isnan isinf isfinite "
+        "signbit where clip heaviside nextafter spacing astype".split(),
+        1.0,
+    ),
+    **dict.fromkeys(
+        "divide true_divide reciprocal floor_divide remainder mod fmod divmod sqrt hypot "
+        "deg2rad rad2deg radians degrees ldexp frexp modf".split(),
+        4.0,
+    ),
+    **dict.fromkeys(
+        "exp exp2 expm1 log log2 log10 log1p sin cos arcsin arccos arctan sinh cosh tanh "
+        "arcsinh arccosh arctanh cbrt".split(),
+        20.0,
+    ),
+    **dict.fromkeys("tan logaddexp logaddexp2 arctan2 power float_power".split(), 40.0),
+}
+DEFAULT_UFUNC_WEIGHT = 10.0
+
+_OPERATORS = {
+    operator.add: "add",
+    operator.sub: "subtract",
+    operator.mul: "multiply",
+    operator.truediv: "divide",
+    operator.floordiv: "floor_divide",
+    operator.mod: "remainder",
+    operator.pow: "power",
+    operator.neg: "negative",
+    operator.pos: "positive",
+    operator.abs: "absolute",
+    operator.invert: "invert",
+    operator.inv: "invert",
+    operator.eq: "equal",
+    operator.ne: "not_equal",
+    operator.lt: "less",
+    operator.le: "less_equal",
+    operator.gt: "greater",
+    operator.ge: "greater_equal",
+    operator.and_: "bitwise_and",
+    operator.or_: "bitwise_or",
+    operator.xor: "bitwise_xor",
+    operator.matmul: "matmul",
+}
+
+# Op families. GPU_FAMILIES may run on a device; the others always stay on the CPU.
+MATMUL, ELEMENTWISE, FFT, REDUCTION, MOVEMENT = "matmul", "elementwise", "fft", "reduction", "movement"
+AGGREGATE, CREATION, IO, UNKNOWN, DATA = "aggregate", "creation", "io", "unknown", "data"
+GPU_FAMILIES = frozenset({MATMUL, ELEMENTWISE, FFT, REDUCTION, MOVEMENT})
+SOURCE_FAMILIES = frozenset({CREATION, DATA})
+# Which family names a fused task: the heaviest kind of work inside it.
+_FAMILY_RANK = {MATMUL: 8, FFT: 7, ELEMENTWISE: 6, REDUCTION: 5, MOVEMENT: 4, AGGREGATE: 3,
+                CREATION: 2, IO: 1, DATA: 0, UNKNOWN: 9}
+
+_BY_NAME: dict[str, str] = {
+    **dict.fromkeys(
+        "_matmul matmul dot vdot inner outer _tensordot tensordot chunk_einsum einsum "
+        "matvec vecmat vecdot".split(),
+        MATMUL,
+    ),
+    **dict.fromkeys(
+        "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft "
+        "fftshift ifftshift".split(),
+        FFT,
+    ),
+    **dict.fromkeys(
+        "sum prod nansum nanprod min max amin amax nanmin nanmax _chunk_sum mean_chunk "
+        "moment_chunk nanmean nanvar nanstd mean var std any all count_nonzero "
+        "chunk_min chunk_max cumsum cumprod nancumsum nancumprod".split(),
+        REDUCTION,
+    ),
+    **dict.fromkeys(
+        "mean_agg mean_combine moment_agg moment_combine arg_agg arg_combine _concatenate2 "
+        "partial_reduce _cumsum_merge _cumprod_merge cumreduction finalize _tree_reduce "
+        "_identity_reduce".split(),
+        AGGREGATE,
+    ),
+    **dict.fromkeys(
+        "getter getter_nofancy getter_inline load_store_chunk load_chunk store_chunk load "
+        "fromfile imread _load_chunk".split(),
+        IO,
+    ),
+    **dict.fromkeys(
+        "_apply_random_func _apply_random _broadcast_trick_inner arange linspace eye _eye tri "
+        "ones zeros empty full ones_like zeros_like empty_like full_like".split(),
+        CREATION,
+    ),
+    **dict.fromkeys(
+        "getitem concatenate3 concatenate_shaped concatenate stack transpose reshape moveaxis "
+        "swapaxes _vindex_slice _vindex_merge _vindex_transpose identity _identity_cast "
+        "squeeze expand_dims broadcast_to copy ravel flatten atleast_1d atleast_2d "
+        "atleast_3d".split(),
+        MOVEMENT,
+    ),
+    **dict.fromkeys("where clip round around isclose astype _astype real imag angle".split(),
+                    ELEMENTWISE),
+}
+_IO_MODULES = ("zarr", "h5py", "tifffile", "netCDF4", "xarray.backends", "tiledb", "imageio")
+
+
+@functools.lru_cache(maxsize=4096)
+def _classify_cached(func: Any) -> tuple[str, str]:
+    if isinstance(func, np.ufunc):
+        name = func.__name__
+        return (MATMUL if name in ("matmul", "matvec", "vecmat", "vecdot") else ELEMENTWISE), name
+    if func in _OPERATORS:
+        name = _OPERATORS[func]
+        return (MATMUL if name == "matmul" else ELEMENTWISE), name
+    name = getattr(func, "__name__", None) or type(func).__name__
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith(_IO_MODULES):
+        return IO, name
+    if module.startswith(("numpy.fft", "scipy.fft", "scipy.fftpack")):
+        return FFT, name
+    return _BY_NAME.get(name, UNKNOWN), name
+
+
+def classify_func(func: Any) -> tuple[str, str]:
+    """Op family and short name of a chunk function (``functools.partial`` unwrapped).
+
+    >>> classify_func(np.sin)
+    ('elementwise', 'sin')
+    """
+    while isinstance(func, functools.partial):
+        func = func.func
+    first, funcs = getattr(func, "first", None), getattr(func, "funcs", None)
+    if callable(first) and isinstance(funcs, tuple):  # toolz.compose, as dask reductions use
+        families = [classify_func(f) for f in (first, *funcs)]
+        # combining partials (_concatenate2 + sum) is aggregation, whatever else is composed
+        for family in families:
+            if family[0] == AGGREGATE:
+                return AGGREGATE, families[-1][1]
+        return max(families, key=lambda fam: _FAMILY_RANK[fam[0]])
+    try:
+        return _classify_cached(func)
+    except TypeError:  # unhashable callable
+        return _classify_cached.__wrapped__(func)
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimates
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArraySpec:
+    """Shape and dtype of one chunk."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation inside a task (a fused task has several)."""
+
+    family: str
+    name: str
+    n_inputs: int = 1
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one task costs. ``gpu_s`` is compute only; transfers are priced separately."""
+
+    op: str
+    detail: str
+    flops: float
+    in_bytes: int
+    out_bytes: int
+    cpu_s: float
+    gpu_s: float
+    cpu_parallel: bool
+    gpu_capable: bool
+    why_cpu: str | None
+
+
+def _gpu_bw(profile: Profile) -> float:
+    return profile.gpu.memory_bandwidth_bytes_per_s * GPU_BANDWIDTH_EFFICIENCY
+
+
+def _gpu_call_s(profile: Profile) -> float:
+    return profile.gpu.call_overhead_s + profile.gpu.kernel_launch_s
+
+
+def _matmul_flops(arrays: list[ArraySpec], out: ArraySpec) -> tuple[float, float]:
+    """FLOPs and effective matrix size of a contraction from its operand and result sizes."""
+    a, b = sorted(arrays, key=lambda s: s.size)[-2:] if len(arrays) >= 2 else (arrays[0], arrays[0])
+    volume = float(a.size) * float(b.size) * float(max(out.size, 1))
+    return 2.0 * math.sqrt(volume), volume ** (1.0 / 6.0)
+
+
+def estimate_op(
+    op: Op, n: int, dtype: np.dtype, inputs: list[ArraySpec], out: ArraySpec, profile: Profile
+) -> tuple[float, float, float]:
+    """(flops, cpu_s, gpu_s) of one operation on ``n`` elements of ``dtype``."""
+    cpu, gpu = profile.cpu, profile.gpu
+    item = dtype.itemsize
+    if op.family == ELEMENTWISE:
+        weight = UFUNC_WEIGHTS.get(op.name, DEFAULT_UFUNC_WEIGHT)
+        if dtype.kind == "c":
+            weight *= 4
+        flops = n * weight
+        traffic = (op.n_inputs + 1) * n * item
+        cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s, flops / cpu.flops_per_s.for_dtype(dtype))
+        gpu_s = max(traffic / _gpu_bw(profile),
+                    flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FLOPS_EFFICIENCY))
+        return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
+    if op.family == MATMUL:
+        flops, size = _matmul_flops(inputs or [out], out)
+        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + CPU_MATMUL_HALF_N)
+        gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * GPU_MATMUL_EFFICIENCY
+                    * size / (size + GPU_MATMUL_HALF_N))
+        return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
+    if op.family == FFT:
+        points = max(out.size, n, 2)
+        flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
+        traffic = 2 * points * max(out.dtype.itemsize, item)
+        cpu_s = flops / cpu.fft_flops_per_s.for_dtype(dtype)
+        gpu_s = max(flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FFT_FLOPS_EFFICIENCY),
+                    3 * traffic / _gpu_bw(profile))
+        return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
+    if op.family == REDUCTION:
+        traffic = n * item
+        flops = float(n)
+        cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s, flops / cpu.flops_per_s.for_dtype(dtype))
+        return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
+    if op.family == MOVEMENT:
+        if op.name in ("getitem", "transpose", "identity", "_identity_cast", "squeeze",
+                       "expand_dims", "reshape", "moveaxis", "swapaxes", "broadcast_to"):
+            return 0.0, CPU_CALL_S, _gpu_call_s(profile)  # views: no copy
+        traffic = 2 * n * item
+        return (0.0, traffic / cpu.memory_bandwidth_bytes_per_s + CPU_CALL_S,
+                traffic / _gpu_bw(profile) + _gpu_call_s(profile))
+    # creation, I/O, aggregation, unknown: CPU only; price their memory traffic
+    traffic = (sum(s.nbytes for s in inputs) + out.nbytes) if op.family != DATA else 0
+    flops = 5.0 * n if op.name.startswith("_apply_random") else 0.0
+    cpu_s = traffic / cpu.memory_bandwidth_bytes_per_s + flops / cpu.flops_per_s.for_dtype(dtype)
+    return flops, cpu_s + CPU_CALL_S, math.inf
+
+
+def estimate_task(
+    ops: list[Op], inputs: list[ArraySpec], out: ArraySpec | None, profile: Profile
+) -> Estimate:
+    """Estimate a task made of ``ops`` (in execution order) over ``inputs`` producing ``out``.
+
+    ``inputs`` are the arrays the task reads: its dependencies and any chunk embedded in it.
+    ``out`` is None where the result's shape is unknown (such tasks stay on the CPU).
+    """
+    main = max(ops, key=lambda o: _FAMILY_RANK[o.family])
+    in_bytes = sum(s.nbytes for s in inputs)
+    cpu_only = [o for o in ops if o.family not in GPU_FAMILIES and o.family not in SOURCE_FAMILIES]
+    why_cpu = None
+    if out is None:
+        why_cpu = "chunk shape unknown"
+        out = ArraySpec((max((s.size for s in inputs), default=0),),
+                        inputs[0].dtype if inputs else np.dtype("float64"))
+    dtypes = [s.dtype for s in (*inputs, out)]
+    if why_cpu is None:
+        bad = [d for d in dtypes if not device_dtype_ok(d)]
+        if bad:
+            why_cpu = f"dtype {bad[0]} never offloads"
+    if why_cpu is None and main.family in SOURCE_FAMILIES:
+        why_cpu = f"creation ({main.name}) runs on the host so results match plain Dask"
+    if why_cpu is None and cpu_only:
+        first = cpu_only[0]
+        why_cpu = {
+            AGGREGATE: "aggregation of partial results stays on the CPU",
+            IO: f"I/O ({first.name}) stays on the CPU",
+            CREATION: f"creation ({first.name}) runs on the host so results match plain Dask",
+            UNKNOWN: f"unknown function {first.name}: cannot tell that it runs on a device",
+        }[first.family]
+    # Work on the largest array the task touches; the result's dtype sets the rates.
+    n = max([out.size, *(s.size for s in inputs)])
+    dtype = out.dtype if device_dtype_ok(out.dtype) else np.dtype("float64")
+    flops = cpu_s = gpu_s = 0.0
+    for op in ops:
+        f, c, g = estimate_op(op, n, dtype, inputs, out, profile)
+        flops, cpu_s, gpu_s = flops + f, cpu_s + c, gpu_s + g
+    cpu_s += profile.cpu.task_overhead_s
+    return Estimate(
+        op=main.family,
+        detail=">".join(o.name for o in ops) if len(ops) <= 4 else f"{main.name}+{len(ops) - 1}",
+        flops=flops,
+        in_bytes=in_bytes,
+        out_bytes=out.nbytes,
+        cpu_s=cpu_s,
+        gpu_s=gpu_s if why_cpu is None else math.inf,
+        cpu_parallel=main.family != MATMUL,
+        gpu_capable=why_cpu is None,
+        why_cpu=why_cpu,
+    )
+
+
+def estimate_h2d_seconds(nbytes: float, profile: Profile) -> float:
+    """Seconds to copy ``nbytes`` of pageable host memory to the device."""
+    return profile.link.latency_s + nbytes / profile.link.h2d_bytes_per_s if nbytes else 0.0
+
+
+def estimate_d2h_seconds(nbytes: float, profile: Profile) -> float:
+    """Seconds to copy ``nbytes`` from the device to pageable host memory."""
+    return profile.link.latency_s + nbytes / profile.link.d2h_bytes_per_s if nbytes else 0.0

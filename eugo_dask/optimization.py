@@ -1,0 +1,256 @@
+"""The ``eugo`` graph pass, the bridge that makes ``dask.config.set(optimizations=[eugo])`` work
+on Dask 2026.8, and :func:`explain`.
+
+Dask stopped reading the ``optimizations`` config key in 2025.4. What it still honours is the
+``array_optimize`` key: the value stored there replaces the array optimizer
+(``Array.__dask_optimize__`` is a ``globalmethod``). ``import eugo_dask`` registers
+:data:`bridge` there as a *default*; it runs Dask's own array optimization and then every pass
+in the ``optimizations`` list, so with the list empty nothing changes.
+
+With distributed, the graph is optimized on the scheduler, whose config is not the client's. The
+bridge is pickled with the graph on the client, and pickling freezes the client's
+``optimizations`` list and its validated ``eugo.*`` settings (device and profile resolved on the
+client); the scheduler runs exactly those.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import dask
+from dask._task_spec import GraphNode, Task, _execute_subgraph, convert_legacy_graph
+from dask.array.optimization import optimize as dask_array_optimize
+from dask.utils import ensure_dict
+
+from eugo_dask.config import Settings, read_settings, resolve_profile
+from eugo_dask.planner import ChunkInfo, Plan, plan_graph
+from eugo_dask.profile import load_profile
+from eugo_dask.rewrite import annotated_graph, rewrite_graph, split_mixed_tasks
+from eugo_dask.runtime import is_eugo_callable
+
+logger = logging.getLogger(__name__)
+
+# Settings frozen on the client at submission, in force while the scheduler runs the passes.
+_submitted: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
+    "eugo_submitted_settings", default=None
+)
+
+
+def _current_settings() -> Settings:
+    frozen = _submitted.get()
+    return frozen if frozen is not None else read_settings().resolved()
+
+
+def _task_spec_dict(dsk: Any) -> dict[Any, GraphNode]:
+    graph = ensure_dict(dsk)
+    if all(isinstance(v, GraphNode) for v in graph.values()):
+        return graph
+    return convert_legacy_graph(graph)
+
+
+def _has_eugo_task(node: Any) -> bool:
+    if type(node) is not Task:
+        return False
+    if is_eugo_callable(node.func):
+        return True
+    if node.func is _execute_subgraph:
+        return any(_has_eugo_task(inner) for inner in node.args[0].values())
+    return False
+
+
+def _device_memory_bytes(settings: Settings, device: str, profile_memory: float) -> float:
+    limit = profile_memory
+    if device == "emulated":
+        limit = min(limit, settings.emulated_memory_limit)
+    return limit * settings.device_memory_fraction
+
+
+def make_plan(
+    graph: Mapping[Any, GraphNode], keys: Any, chunks: ChunkInfo, settings: Settings
+) -> Plan:
+    """Plan ``graph`` (task-spec nodes, already optimized by Dask) under ``settings``."""
+    device = None if settings.device == "none" else settings.device
+    profile = load_profile(resolve_profile(settings.profile, settings.device))
+    return plan_graph(
+        graph,
+        keys,
+        profile=profile,
+        chunks=chunks,
+        min_speedup=settings.min_speedup,
+        device=device,
+        device_memory_bytes=_device_memory_bytes(settings, settings.device,
+                                                 profile.gpu.memory_bytes),
+    )
+
+
+def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: Any) -> Any:
+    """Place the chunk tasks of an array graph on the GPU where it pays, and rewrite the graph.
+
+    Use it as ``dask.config.set(optimizations=[eugo])``, or directly as a graph pass.
+
+    Parameters
+    ----------
+    dsk
+        A graph: a HighLevelGraph or a mapping of keys to tasks.
+    keys
+        Its output keys; they hold NumPy in the rewritten graph as in the original.
+    chunk_info
+        Chunk shapes and dtypes per key, read from the collection's HighLevelGraph before Dask's
+        optimization dropped them. Read from ``dsk`` itself when it is a HighLevelGraph.
+
+    Returns
+    -------
+    The graph unchanged where no device is usable (``eugo.device``) or nothing pays; otherwise a
+    HighLevelGraph whose GPU and transfer tasks carry a ``resources`` annotation.
+    """
+    settings = _current_settings()
+    if settings.device == "none":
+        return dsk
+    chunks = ChunkInfo.from_graph(dsk)
+    if chunk_info is not None:
+        chunks = chunk_info.merge(chunks)
+    graph = _task_spec_dict(dsk)
+    rewritten = {k for k, v in graph.items() if _has_eugo_task(v)}
+    if rewritten:
+        # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
+        # placement, restore the annotations Dask's fusion dropped.
+        return annotated_graph(graph, frozenset(rewritten), settings.resource)
+    graph = split_mixed_tasks(graph)
+    plan = make_plan(graph, keys, chunks, settings)
+    if not plan.gpu_keys:
+        return dsk
+    logger.debug("eugo: %d of %d tasks on the GPU", len(plan.gpu_keys), len(plan))
+    return rewrite_graph(graph, plan, device=settings.device, resource=settings.resource)
+
+
+eugo._eugo_pass = True  # type: ignore[attr-defined]
+
+
+def _is_eugo_pass(opt: Callable[..., Any]) -> bool:
+    return getattr(opt, "_eugo_pass", False)
+
+
+def run_optimizations(
+    dsk: Any, keys: Any, passes: tuple[Callable[..., Any], ...], settings: Settings | None,
+    **kwargs: Any,
+) -> Any:
+    """Dask's array optimization, then each of ``passes`` in order."""
+    chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
+    dsk = dask_array_optimize(dsk, keys, **kwargs)
+    token = _submitted.set(settings)
+    try:
+        for opt in passes:
+            dsk = opt(dsk, keys, chunk_info=chunk_info) if _is_eugo_pass(opt) else opt(dsk, keys)
+    finally:
+        _submitted.reset(token)
+    return dsk
+
+
+def _configured_passes() -> tuple[Callable[..., Any], ...]:
+    passes = dask.config.get("optimizations", None) or ()
+    if callable(passes):
+        passes = (passes,)
+    passes = tuple(passes)
+    for opt in passes:
+        if not callable(opt):
+            raise TypeError(f"optimizations must be a list of graph passes f(dsk, keys); got {opt!r}")
+    return passes
+
+
+class OptimizationsBridge:
+    """Dask's array optimizer plus the ``optimizations`` config list, read when called.
+
+    Pickling (a graph submitted to a distributed scheduler) freezes the list and the ``eugo.*``
+    settings in force at that moment into a :class:`SubmittedOptimizations`.
+    """
+
+    def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        passes = _configured_passes()
+        return run_optimizations(dsk, keys, passes, None, **kwargs)
+
+    def __reduce__(self):
+        passes = _configured_passes()
+        settings = read_settings().resolved() if any(map(_is_eugo_pass, passes)) else None
+        return (SubmittedOptimizations, (passes, settings))
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is OptimizationsBridge
+
+    def __hash__(self) -> int:
+        return hash(OptimizationsBridge)
+
+    def __repr__(self) -> str:
+        return "eugo_dask.bridge"
+
+
+class SubmittedOptimizations:
+    """The client's ``optimizations`` and ``eugo.*`` settings as they were at submission."""
+
+    def __init__(self, passes: tuple[Callable[..., Any], ...], settings: Settings | None) -> None:
+        self.passes = tuple(passes)
+        self.settings = settings
+
+    def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
+        return run_optimizations(dsk, keys, self.passes, self.settings, **kwargs)
+
+    def __reduce__(self):
+        return (SubmittedOptimizations, (self.passes, self.settings))
+
+    def _identity(self) -> tuple:
+        settings = json.dumps(self.settings.to_dict(), sort_keys=True, default=str) if self.settings else None
+        return (tuple(map(id, self.passes)), settings)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SubmittedOptimizations) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+
+#: The object ``import eugo_dask`` registers as Dask's ``array_optimize``.
+bridge = OptimizationsBridge()
+
+
+def install_bridge() -> None:
+    dask.config.update_defaults({"array_optimize": bridge})
+
+
+def explain(collection: Any, **settings: Any) -> Plan:
+    """The placement eugo would make for ``collection``'s tasks, with reasons and estimates.
+
+    Works without a GPU: with ``eugo.device`` ``none`` or ``auto`` on a machine without one, the
+    plan shows what would go where under ``eugo.profile`` (the graph itself would run unchanged).
+
+    Parameters
+    ----------
+    collection
+        A dask array (or any collection with an array graph).
+    **settings
+        ``eugo.*`` settings for this call, with underscores: ``min_speedup=0``,
+        ``profile="t4"``, ``device="emulated"``.
+
+    Returns
+    -------
+    Plan
+        Iterate for one record per task; ``print`` for a table by task prefix; ``to_json()``;
+        ``totals`` holds the what-if task-seconds all-CPU, all-GPU and as chosen.
+    """
+    overrides = {f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}
+    with dask.config.set(overrides):
+        current = read_settings()
+        device = current.device
+        if device in ("auto", "cupy"):
+            device = current.resolved().device
+        current = Settings(**{**current.to_dict(), "device": device})
+    graph = collection.__dask_graph__()
+    keys = collection.__dask_keys__()
+    chunks = ChunkInfo.from_graph(graph)
+    optimized = split_mixed_tasks(_task_spec_dict(dask_array_optimize(graph, keys)))
+    plan = make_plan(optimized, keys, chunks, current)
+    all_gpu = make_plan(optimized, keys, chunks, Settings(**{**current.to_dict(), "min_speedup": 0.0}))
+    plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
+    return plan

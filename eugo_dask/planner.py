@@ -1,0 +1,512 @@
+"""Location-aware placement of every chunk task of a graph: :func:`plan_graph` -> :class:`Plan`.
+
+Data starts on the host. Tasks are visited in dependency order and each is placed where it is
+cheaper by the required margin, counting where its inputs already live:
+
+- on the GPU it pays its compute, a host->device copy of each input not already on the device
+  (once per chunk, however many GPU consumers it has), and a device->host copy of its result
+  when an output or a CPU-only consumer needs NumPy;
+- on the CPU it pays its compute (per-thread work divided by the chunks that run side by side)
+  plus a device->host copy of each input that lives only on the device.
+
+So chains of GPU work stay on the device, a reduction over host data stays on the CPU (the copy
+costs more than the pass) and a reduction over device data reduces there and ships back only the
+small result. Aggregation, ``finalize``, I/O, creation and unknown functions never offload. A GPU
+placement must beat the CPU by ``min_speedup`` (``0``: every task that can run on a device does).
+
+The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
+and the sets the rewrite needs. Nothing here touches tasks' execution or CuPy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from dask._task_spec import Alias, DataNode, GraphNode, Task, _execute_subgraph
+from dask.utils import key_split
+
+from eugo_dask.cost_model import (
+    CREATION,
+    CUMULATIVE,
+    DATA,
+    MOVEMENT,
+    REDUCTION,
+    ArraySpec,
+    Estimate,
+    Op,
+    classify_func,
+    estimate_d2h_seconds,
+    estimate_h2d_seconds,
+    estimate_task,
+)
+from eugo_dask.profile import Profile
+from eugo_dask.runtime import is_eugo_callable
+
+CPU, GPU = "cpu", "gpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk shapes and dtypes
+# ---------------------------------------------------------------------------------------------
+class ChunkInfo:
+    """Chunk shape and dtype per key, read from a HighLevelGraph's array layers before Dask's
+    optimization drops them (``layer.collection_annotations``)."""
+
+    def __init__(self, layers: Mapping[str, tuple[tuple[tuple[float, ...], ...], np.dtype]]):
+        self._layers = dict(layers)
+
+    @classmethod
+    def from_graph(cls, graph: Any) -> ChunkInfo:
+        layers = {}
+        for name, layer in getattr(graph, "layers", {}).items():
+            annotations = getattr(layer, "collection_annotations", None) or {}
+            chunks, dtype = annotations.get("chunks"), annotations.get("dtype")
+            if chunks is not None and dtype is not None:
+                try:
+                    layers[name] = (tuple(tuple(c) for c in chunks), np.dtype(dtype))
+                except TypeError:
+                    continue
+        return cls(layers)
+
+    def merge(self, other: ChunkInfo) -> ChunkInfo:
+        return ChunkInfo({**self._layers, **other._layers})
+
+    def spec(self, key: Any) -> ArraySpec | None:
+        if not isinstance(key, tuple) or not key:
+            info = self._layers.get(key)
+            if info is None or any(len(c) != 1 for c in info[0]):
+                return None
+            index: tuple = (0,) * len(info[0])
+        else:
+            info = self._layers.get(key[0])
+            index = key[1:]
+        if info is None or len(index) != len(info[0]):
+            return None
+        chunks, dtype = info
+        try:
+            shape = tuple(chunks[d][i] for d, i in enumerate(index))
+        except (IndexError, TypeError):
+            return None
+        if any(isinstance(s, float) and math.isnan(s) for s in shape):
+            return None
+        return ArraySpec(tuple(int(s) for s in shape), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Decision:
+    """Where one task runs, with the numbers behind it."""
+
+    key: Any
+    prefix: str
+    op: str
+    detail: str
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    bytes: int
+    flops: float
+    cpu_s: float
+    gpu_s: float | None
+    h2d_s: float
+    d2h_s: float
+    device: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["key"] = str(self.key)
+        out["shape"] = list(self.shape) if self.shape is not None else None
+        return out
+
+
+def format_seconds(seconds: float) -> str:
+    """``0.0412`` -> ``'41 ms'``."""
+    if seconds is None or math.isinf(seconds):
+        return "n/a"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale or unit == "µs":
+            value = seconds / scale
+            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class Plan:
+    """The placement of every task of a graph. Iterating yields :class:`Decision` records."""
+
+    decisions: dict[Any, Decision]
+    profile_name: str
+    device: str | None
+    min_speedup: float
+    output_keys: frozenset
+    totals: dict[str, float] = field(default_factory=dict)
+    _host_needed: frozenset = frozenset()
+
+    def __iter__(self) -> Iterator[Decision]:
+        return iter(self.decisions.values())
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def __getitem__(self, key: Any) -> Decision:
+        return self.decisions[key]
+
+    @property
+    def gpu_keys(self) -> list[Any]:
+        return [k for k, d in self.decisions.items() if d.device == GPU]
+
+    def needs_host(self, key: Any) -> bool:
+        """Whether the GPU task ``key`` must copy its result back (an output or a CPU consumer
+        needs NumPy)."""
+        return key in self._host_needed
+
+    def by_prefix(self) -> dict[str, list[Decision]]:
+        groups: dict[str, list[Decision]] = defaultdict(list)
+        for d in self:
+            groups[d.prefix].append(d)
+        return dict(groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile_name,
+            "device": self.device,
+            "min_speedup": self.min_speedup,
+            "totals_s": self.totals,
+            "tasks": [d.to_dict() for d in self],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The plan as JSON (one object per task plus the what-if totals)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self) -> str:
+        lines = [
+            f"eugo plan: {len(self)} tasks, profile {self.profile_name}, device "
+            f"{self.device or 'none (the graph would run unchanged)'}, "
+            f"min-speedup {self.min_speedup:g}",
+            f"{'prefix':<28} {'op':<11} {'tasks':>6} {'gpu':>5} {'cpu s':>9} {'gpu s':>9} "
+            f"{'h2d s':>9} {'d2h s':>9}  reason (first task)",
+        ]
+        for prefix, group in self.by_prefix().items():
+            on_gpu = sum(d.device == GPU for d in group)
+            gpu = [d.gpu_s for d in group if d.gpu_s is not None]
+            lines.append(
+                f"{prefix[:28]:<28} {group[0].op[:11]:<11} {len(group):>6} {on_gpu:>5} "
+                f"{format_seconds(sum(d.cpu_s for d in group)):>9} "
+                f"{format_seconds(sum(gpu)) if gpu else 'n/a':>9} "
+                f"{format_seconds(sum(d.h2d_s for d in group)):>9} "
+                f"{format_seconds(sum(d.d2h_s for d in group)):>9}  {group[0].reason}"
+            )
+        t = self.totals
+        lines.append(
+            "what-if task-seconds: all-CPU {}, all-GPU {}, as chosen {}".format(
+                *(format_seconds(t.get(k, math.inf)) for k in ("all_cpu", "all_gpu", "as_chosen"))
+            )
+        )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------------------------
+def _flatten_keys(keys: Any) -> set:
+    out: set = set()
+    stack = [keys]
+    while stack:
+        k = stack.pop()
+        if isinstance(k, list):
+            stack.extend(k)
+        else:
+            out.add(k)
+    return out
+
+
+def _inner_ops(inner: Mapping[Any, GraphNode], embedded: list[ArraySpec]) -> list[Op]:
+    ops: list[Op] = []
+    for node in reversed(list(inner.values())):  # dask stores fused graphs output first
+        if isinstance(node, DataNode):
+            if isinstance(node.value, np.ndarray):
+                ops.append(Op(DATA, "array"))
+                embedded.append(ArraySpec(node.value.shape, node.value.dtype))
+        elif type(node) is Task and node.func is _execute_subgraph:
+            ops.extend(_inner_ops(node.args[0], embedded))
+        elif type(node) is Task:
+            family, name = classify_func(node.func)
+            ops.append(Op(family, name, max(1, len(node.dependencies))))
+    return ops
+
+
+def _getitem_shape(node: Task, source: ArraySpec | None) -> ArraySpec | None:
+    if source is None or len(node.args) != 2 or isinstance(node.args[1], GraphNode):
+        return None
+    try:
+        view = np.broadcast_to(np.empty((), dtype=bool), source.shape)[node.args[1]]
+    except Exception:
+        return None
+    return ArraySpec(view.shape, source.dtype)
+
+
+def _reduction_axes(node: Task) -> tuple[int, ...] | None:
+    for container in (node.kwargs, *(a for a in node.args if isinstance(a, Mapping))):
+        axis = container.get("axis") if isinstance(container, Mapping) else None
+        if isinstance(axis, int):
+            return (axis,)
+        if isinstance(axis, tuple) and all(isinstance(a, int) for a in axis):
+            return axis
+    return None
+
+
+def _reduced_spec(node: Task, source: ArraySpec | None, out: ArraySpec | None) -> ArraySpec | None:
+    """The result of a reduction step over ``source``: one element along each reduced axis (all
+    of them where the axes cannot be read), dropped unless ``keepdims``."""
+    if source is None:
+        return out
+    axes = _reduction_axes(node)
+    ndim = len(source.shape)
+    reduced = set(range(ndim)) if axes is None else {a % ndim for a in axes if ndim}
+    keepdims = node.kwargs.get("keepdims", True) is not False
+    shape = tuple(1 if d in reduced else n for d, n in enumerate(source.shape)
+                  if keepdims or d not in reduced)
+    return ArraySpec(shape, out.dtype if out is not None else source.dtype)
+
+
+def describe_task(
+    key: Any, node: Task, chunks: ChunkInfo, input_specs: list[ArraySpec | None], profile: Profile
+) -> tuple[Estimate, ArraySpec | None]:
+    """Estimate one task and infer its output chunk's spec."""
+    embedded: list[ArraySpec] = []
+    if node.func is _execute_subgraph:
+        ops = _inner_ops(node.args[0], embedded)
+        out = chunks.spec(node.args[1]) or chunks.spec(key)
+        out_node = node.args[0].get(node.args[1])
+    else:
+        family, name = classify_func(node.func)
+        ops = [Op(family, name, max(1, len(input_specs)))]
+        out = chunks.spec(key)
+        if out is None and family == MOVEMENT and name == "getitem":
+            out = _getitem_shape(node, input_specs[0] if len(input_specs) == 1 else None)
+        out_node = node
+    if not ops:
+        ops = [Op(MOVEMENT, "identity")]
+    known = [s for s in input_specs if s is not None]
+    if out is not None and node.func is _execute_subgraph:
+        # a chunk created inside a GPU task (ones, arange, random) is made on the host and
+        # copied: price it like an embedded chunk of the result's size
+        embedded += [out for op in ops if op.family == CREATION]
+    while type(out_node) is Task and out_node.func is _execute_subgraph:
+        out_node = out_node.args[0].get(out_node.args[1])
+    if type(out_node) is Task:
+        family, name = classify_func(out_node.func)
+        if family == REDUCTION and name not in CUMULATIVE:
+            # Dask annotates a reduction's chunk step with its input's chunks
+            source = out or max(known + embedded, key=lambda s: s.size, default=None)
+            out = _reduced_spec(out_node, source, out)
+    estimate = estimate_task(ops, known + embedded, out, profile)
+    if len(known) < len(input_specs) and estimate.gpu_capable:
+        estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
+                           why_cpu="an input chunk's size is unknown")
+    return estimate, out
+
+
+def _toposort(dsk: Mapping[Any, GraphNode], deps: Mapping[Any, Iterable[Any]]) -> list[Any]:
+    waiting = {k: sum(1 for d in deps[k] if d in dsk) for k in dsk}
+    dependents: dict[Any, list[Any]] = defaultdict(list)
+    for k, ds in deps.items():
+        for d in ds:
+            if d in dsk:
+                dependents[d].append(k)
+    ready = [k for k, n in waiting.items() if n == 0]
+    order = []
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        for dep in dependents[k]:
+            waiting[dep] -= 1
+            if waiting[dep] == 0:
+                ready.append(dep)
+    if len(order) != len(dsk):
+        raise ValueError("eugo: the graph has a cycle; it cannot be planned")
+    return order
+
+
+def _describe_decision(est: Estimate, spec: ArraySpec | None) -> str:
+    shape = "x".join(map(str, spec.shape)) if spec is not None and spec.shape else "scalar"
+    dtype = str(spec.dtype) if spec is not None else "?"
+    return f"{est.detail} {shape} {dtype}"
+
+
+def plan_graph(
+    dsk: Mapping[Any, GraphNode],
+    keys: Any,
+    *,
+    profile: Profile,
+    chunks: ChunkInfo,
+    min_speedup: float,
+    device: str | None,
+    device_memory_bytes: float,
+) -> Plan:
+    """Place every task of ``dsk`` (task-spec nodes, after Dask's own optimization).
+
+    Parameters
+    ----------
+    keys
+        The graph's output keys (nested lists allowed); they are always delivered as NumPy.
+    device_memory_bytes
+        A task whose inputs, result and temporaries exceed this never offloads.
+    """
+    outputs = _flatten_keys(keys)
+    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
+
+    def resolve(k: Any) -> Any:
+        seen = 0
+        while k in aliases and seen < 1000:
+            k, seen = aliases[k], seen + 1
+        return k
+
+    deps = {k: v.dependencies for k, v in dsk.items()}
+    order = _toposort(dsk, deps)
+    width = Counter(k[0] if isinstance(k, tuple) else k for k, v in dsk.items() if type(v) is Task)
+    threads = profile.cpu.threads
+
+    # Pass 1: what each task is and costs, in dependency order (inputs' specs feed outputs').
+    specs: dict[Any, ArraySpec | None] = {}
+    estimates: dict[Any, Estimate] = {}
+    for k in order:
+        node = dsk[k]
+        if isinstance(node, DataNode):
+            v = node.value
+            specs[k] = ArraySpec(v.shape, v.dtype) if isinstance(v, np.ndarray) else None
+        elif isinstance(node, Alias):
+            specs[k] = specs.get(resolve(k))
+        elif type(node) is Task and not is_eugo_callable(node.func):
+            inputs = [specs.get(resolve(d)) for d in node.dependencies]
+            estimates[k], specs[k] = describe_task(k, node, chunks, inputs, profile)
+        else:
+            specs[k] = None
+
+    # Which results must reach the host whatever else happens: outputs, and inputs of
+    # consumers that cannot run on a device (aliases pass the need through).
+    static_host: set = set()
+    for k in order:
+        node = dsk[k]
+        if k in outputs:
+            static_host.add(resolve(k))
+        est = estimates.get(k)
+        if isinstance(node, Alias):
+            continue  # an alias passes its consumers' needs through resolve()
+        if est is None or not est.gpu_capable:
+            static_host.update(resolve(d) for d in node.dependencies)
+
+    # Pass 2: greedy placement in dependency order.
+    on_gpu: set = set()
+    h2d_done: set = set()
+    d2h_done: set = set()
+    decisions: dict[Any, Decision] = {}
+    totals = {"all_cpu": 0.0, "as_chosen": 0.0}
+
+    def nbytes(k: Any) -> int:
+        s = specs.get(k)
+        return s.nbytes if s is not None else 0
+
+    for k in order:
+        est = estimates.get(k)
+        if est is None:
+            continue
+        node = dsk[k]
+        inputs = {resolve(d) for d in node.dependencies}
+        lanes = min(width[k[0] if isinstance(k, tuple) else k], threads) if est.cpu_parallel else 1
+        cpu_s = est.cpu_s / max(lanes, 1)
+        d2h_in = sum(estimate_d2h_seconds(nbytes(d), profile) for d in inputs
+                     if d in on_gpu and d not in d2h_done)
+        h2d = sum(estimate_h2d_seconds(nbytes(d), profile) for d in inputs
+                  if d not in on_gpu and d not in h2d_done)
+        embedded = est.in_bytes - sum(nbytes(d) for d in inputs)
+        h2d += estimate_h2d_seconds(max(embedded, 0), profile)
+        d2h_out = estimate_d2h_seconds(est.out_bytes, profile) if k in static_host else 0.0
+        gpu_total = est.gpu_s + h2d + d2h_out
+        cpu_total = cpu_s + d2h_in
+        label = _describe_decision(est, specs.get(k))
+        working_set = est.in_bytes + 2 * est.out_bytes
+        lanes_note = f" / {lanes} threads" if lanes > 1 else ""
+        if not est.gpu_capable:
+            place, reason = CPU, f"{label}: {est.why_cpu}"
+        elif device is not None and working_set > device_memory_bytes:
+            place = CPU
+            reason = (f"{label}: needs {format_bytes(working_set)} on the device, more than the "
+                      f"{format_bytes(device_memory_bytes)} allowed")
+        else:
+            speedup = cpu_total / gpu_total if gpu_total > 0 else math.inf
+            place = GPU if (min_speedup == 0 or speedup >= min_speedup) else CPU
+            parts = [f"GPU {format_seconds(est.gpu_s)}"]
+            parts += [f"H2D {format_seconds(h2d)}"] if h2d else []
+            parts += [f"D2H {format_seconds(d2h_out)}"] if d2h_out else []
+            cpu_part = f"CPU {format_seconds(est.cpu_s)}{lanes_note}"
+            cpu_part += f" + D2H {format_seconds(d2h_in)}" if d2h_in else ""
+            cmp = ">=" if place == GPU else "<"
+            reason = (f"{label}: {' + '.join(parts)} vs {cpu_part} "
+                      f"({speedup:.3g}x {cmp} {min_speedup:g})")
+        if place == GPU:
+            on_gpu.add(k)
+            h2d_done.update(d for d in inputs if d not in on_gpu)
+            if d2h_out:
+                d2h_done.add(k)
+            chosen = gpu_total
+        else:
+            d2h_done.update(d for d in inputs if d in on_gpu)
+            chosen = cpu_total
+        totals["all_cpu"] += cpu_s
+        totals["as_chosen"] += chosen
+        spec = specs.get(k)
+        decisions[k] = Decision(
+            key=k,
+            prefix=key_split(k),
+            op=est.op,
+            detail=est.detail,
+            shape=spec.shape if spec is not None else None,
+            dtype=str(spec.dtype) if spec is not None else None,
+            bytes=est.in_bytes + est.out_bytes,
+            flops=est.flops,
+            cpu_s=cpu_s,
+            gpu_s=est.gpu_s if est.gpu_capable else None,
+            h2d_s=h2d if est.gpu_capable else 0.0,
+            d2h_s=d2h_out if est.gpu_capable else 0.0,
+            device=place,
+            reason=reason,
+        )
+
+    # Final: a GPU result goes back to the host when an output or a CPU-placed consumer needs it.
+    host_needed = {resolve(k) for k in outputs}
+    for k, node in dsk.items():
+        d = decisions.get(k)
+        if isinstance(node, Alias):
+            continue
+        if d is None or d.device == CPU:
+            host_needed.update(resolve(x) for x in node.dependencies)
+    plan = Plan(
+        decisions=decisions,
+        profile_name=profile.name,
+        device=device,
+        min_speedup=min_speedup,
+        output_keys=frozenset(outputs),
+        totals=totals,
+        _host_needed=frozenset(host_needed & on_gpu),
+    )
+    return plan

@@ -1,0 +1,461 @@
+"""Hardware profiles: plain data describing a GPU, its host link and the CPU beside it.
+
+A profile is selected with ``dask.config.set({"eugo.profile": NAME_OR_PATH_OR_DICT})``:
+
+- a preset name (``h200``, ``h100-sxm``, ``h100-pcie``, ``a100``, ``l4``, ``t4``): GPU and link
+  figures from spec sheets, shipped as YAML under ``eugo_dask/profiles/``;
+- a path to a YAML or JSON file in the same format (what ``eugo-dask calibrate`` will write);
+- a dict in the same format; ``base: PRESET`` starts from a preset and overrides its fields.
+
+A profile's ``cpu`` section is a dict, the name of a CPU preset (``server-x86``), or absent, in
+which case the local CPU is measured once (under a second) and cached per machine. The format is
+documented in the README; :func:`validate_profile_dict` checks it and names what is wrong.
+
+This module holds data and loading only; what the numbers mean for a task is the cost model's job.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+#: GPU presets shipped with the package (spec-sheet figures).
+PRESETS = ("a100", "h100-pcie", "h100-sxm", "h200", "l4", "t4")
+#: CPU presets shipped with the package (assumed figures for dry runs).
+CPU_PRESETS = ("server-x86",)
+
+_CONFIG_KEY = "eugo.profile"
+_RATE_DTYPES = ("float16", "float32", "float64")
+
+# field -> kind; "rates" is a mapping dtype -> positive number with float32 and float64 required.
+_GPU_FIELDS = {
+    "name": "str",
+    "count": "count",
+    "memory_bytes": "positive",
+    "memory_bandwidth_bytes_per_s": "positive",
+    "flops_per_s": "rates",
+    "matmul_flops_per_s": "rates",
+    "call_overhead_s": "non-negative",
+    "kernel_launch_s": "non-negative",
+    "fft_plan_s": "non-negative",
+}
+_LINK_FIELDS = {
+    "name": "str",
+    "h2d_bytes_per_s": "positive",
+    "d2h_bytes_per_s": "positive",
+    "pinned_h2d_bytes_per_s": "positive?",
+    "pinned_d2h_bytes_per_s": "positive?",
+    "latency_s": "non-negative",
+}
+_CPU_FIELDS = {
+    "name": "str",
+    "source": "str?",
+    "threads": "count",
+    "memory_bandwidth_bytes_per_s": "positive",
+    "flops_per_s": "rates",
+    "matmul_flops_per_s": "rates",
+    "fft_flops_per_s": "rates",
+    "task_overhead_s": "non-negative",
+}
+_TOP_FIELDS = {"name", "source", "description", "base", "gpu", "link", "cpu"}
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Rates by dtype; dtypes not listed use the nearest listed precision."""
+
+    float16: float
+    float32: float
+    float64: float
+
+    def for_dtype(self, dtype: np.dtype) -> float:
+        dtype = np.dtype(dtype)
+        size = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+        if dtype.kind in "fc":
+            return self.float16 if size <= 2 else self.float32 if size <= 4 else self.float64
+        # integers and bools run at single-precision rates, 64-bit ints at double's
+        return self.float64 if size >= 8 else self.float32
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    name: str
+    count: int
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    flops_per_s: Rates
+    matmul_flops_per_s: Rates
+    call_overhead_s: float
+    kernel_launch_s: float
+    fft_plan_s: float
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    name: str
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    latency_s: float
+    pinned_h2d_bytes_per_s: float | None = None
+    pinned_d2h_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class CPUProfile:
+    name: str
+    threads: int
+    memory_bandwidth_bytes_per_s: float
+    flops_per_s: Rates
+    matmul_flops_per_s: Rates
+    fft_flops_per_s: Rates
+    task_overhead_s: float
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str
+    gpu: GPUProfile
+    link: LinkProfile
+    cpu: CPUProfile
+
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+def _check_number(where: str, value: Any, kind: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ProfileError(f"{_CONFIG_KEY}: {where} must be a number; got {value!r}")
+    if kind.startswith("positive") and value <= 0:
+        raise ProfileError(f"{_CONFIG_KEY}: {where} must be a positive number; got {value!r}")
+    if kind == "non-negative" and value < 0:
+        raise ProfileError(f"{_CONFIG_KEY}: {where} must be zero or more; got {value!r}")
+    if kind == "count" and (value < 1 or int(value) != value):
+        raise ProfileError(f"{_CONFIG_KEY}: {where} must be a whole number >= 1; got {value!r}")
+
+
+def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
+    if not isinstance(data, Mapping):
+        raise ProfileError(
+            f"{_CONFIG_KEY}: '{section}' must be a mapping with fields {sorted(fields)}; "
+            f"got {type(data).__name__}"
+        )
+    unknown = set(data) - set(fields)
+    if unknown:
+        raise ProfileError(
+            f"{_CONFIG_KEY}: unknown field(s) {sorted(unknown)} in '{section}'; "
+            f"allowed: {sorted(fields)}"
+        )
+    for field, kind in fields.items():
+        where = f"{section}.{field}"
+        optional = kind.endswith("?")
+        kind = kind.rstrip("?")
+        if field not in data:
+            if optional:
+                continue
+            raise ProfileError(f"{_CONFIG_KEY}: '{where}' is missing (kind: {kind})")
+        value = data[field]
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
+        elif kind == "rates":
+            if not isinstance(value, Mapping):
+                raise ProfileError(
+                    f"{_CONFIG_KEY}: {where} must map dtypes {list(_RATE_DTYPES)} to rates; "
+                    f"got {value!r}"
+                )
+            bad = set(value) - set(_RATE_DTYPES)
+            if bad:
+                raise ProfileError(
+                    f"{_CONFIG_KEY}: {where} has unknown dtype(s) {sorted(bad)}; "
+                    f"allowed: {list(_RATE_DTYPES)}"
+                )
+            for dtype in ("float32", "float64"):
+                if dtype not in value:
+                    raise ProfileError(f"{_CONFIG_KEY}: '{where}.{dtype}' is missing")
+            for dtype, rate in value.items():
+                _check_number(f"{where}.{dtype}", rate, "positive")
+        else:
+            _check_number(where, value, kind)
+
+
+def validate_profile_dict(data: Any, *, require_cpu: bool = True) -> None:
+    """Check a profile in its dict form; raise :class:`ProfileError` naming what is wrong."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(
+            f"{_CONFIG_KEY} must be a preset name {list(PRESETS)}, a path to a YAML/JSON "
+            f"profile, or a mapping; got {type(data).__name__}"
+        )
+    unknown = set(data) - _TOP_FIELDS
+    if unknown:
+        raise ProfileError(
+            f"{_CONFIG_KEY}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_TOP_FIELDS)}"
+        )
+    for section, fields in (("gpu", _GPU_FIELDS), ("link", _LINK_FIELDS)):
+        if section not in data:
+            raise ProfileError(f"{_CONFIG_KEY}: section '{section}' is missing")
+        _check_section(section, data[section], fields)
+    if "cpu" in data and not isinstance(data["cpu"], str):
+        _check_section("cpu", data["cpu"], _CPU_FIELDS)
+    elif require_cpu and "cpu" not in data:
+        raise ProfileError(f"{_CONFIG_KEY}: section 'cpu' is missing")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def _read_packaged(filename: str) -> dict[str, Any]:
+    text = resources.files("eugo_dask").joinpath("profiles", filename).read_text()
+    return yaml.safe_load(text)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"{_CONFIG_KEY}: cannot read profile file {str(path)!r}: {e}") from e
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ProfileError(f"{_CONFIG_KEY}: {str(path)!r} is not valid YAML/JSON: {e}") from e
+    return data
+
+
+def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def profile_dict(spec: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """Resolve a profile spec (name, path or dict) to its validated dict form, with ``cpu``
+    either a dict, a CPU preset name, or absent (measure the local CPU)."""
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec not in PRESETS):
+        path = Path(spec)
+        if not (path.suffix in {".yaml", ".yml", ".json"} or path.exists()):
+            raise ProfileError(
+                f"{_CONFIG_KEY} must be one of the presets {list(PRESETS)}, a path to a "
+                f".yaml/.json profile, or a mapping; got {str(spec)!r}"
+            )
+        data = _read_file(path)
+    elif isinstance(spec, str):
+        data = _read_packaged(f"{spec}.yaml")
+    elif isinstance(spec, Mapping):
+        data = dict(spec)
+    else:
+        raise ProfileError(
+            f"{_CONFIG_KEY} must be a preset name {list(PRESETS)}, a path, or a mapping; "
+            f"got {type(spec).__name__}"
+        )
+    if isinstance(data, Mapping) and "base" in data:
+        base = data["base"]
+        if base not in PRESETS:
+            raise ProfileError(f"{_CONFIG_KEY}: base must be one of {list(PRESETS)}; got {base!r}")
+        data = _merge(_read_packaged(f"{base}.yaml"), {k: v for k, v in data.items() if k != "base"})
+    validate_profile_dict(data, require_cpu=False)
+    cpu = data.get("cpu")
+    if isinstance(cpu, str) and cpu not in CPU_PRESETS:
+        raise ProfileError(
+            f"{_CONFIG_KEY}: cpu must be a mapping or one of the CPU presets {list(CPU_PRESETS)}; "
+            f"got {cpu!r}"
+        )
+    return data
+
+
+def _rates(data: Mapping[str, float]) -> Rates:
+    return Rates(
+        float16=float(data.get("float16", data["float32"])),
+        float32=float(data["float32"]),
+        float64=float(data["float64"]),
+    )
+
+
+def _cpu_from_dict(data: Mapping[str, Any]) -> CPUProfile:
+    return CPUProfile(
+        name=data["name"],
+        source=data.get("source"),
+        threads=int(data["threads"]),
+        memory_bandwidth_bytes_per_s=float(data["memory_bandwidth_bytes_per_s"]),
+        flops_per_s=_rates(data["flops_per_s"]),
+        matmul_flops_per_s=_rates(data["matmul_flops_per_s"]),
+        fft_flops_per_s=_rates(data["fft_flops_per_s"]),
+        task_overhead_s=float(data["task_overhead_s"]),
+    )
+
+
+def _build(data: Mapping[str, Any], cpu: Mapping[str, Any]) -> Profile:
+    g, link = data["gpu"], data["link"]
+    return Profile(
+        name=str(data.get("name", "custom")),
+        source=str(data.get("source", "user")),
+        gpu=GPUProfile(
+            name=g["name"],
+            count=int(g["count"]),
+            memory_bytes=float(g["memory_bytes"]),
+            memory_bandwidth_bytes_per_s=float(g["memory_bandwidth_bytes_per_s"]),
+            flops_per_s=_rates(g["flops_per_s"]),
+            matmul_flops_per_s=_rates(g["matmul_flops_per_s"]),
+            call_overhead_s=float(g["call_overhead_s"]),
+            kernel_launch_s=float(g["kernel_launch_s"]),
+            fft_plan_s=float(g["fft_plan_s"]),
+        ),
+        link=LinkProfile(
+            name=link["name"],
+            h2d_bytes_per_s=float(link["h2d_bytes_per_s"]),
+            d2h_bytes_per_s=float(link["d2h_bytes_per_s"]),
+            latency_s=float(link["latency_s"]),
+            pinned_h2d_bytes_per_s=link.get("pinned_h2d_bytes_per_s"),
+            pinned_d2h_bytes_per_s=link.get("pinned_d2h_bytes_per_s"),
+        ),
+        cpu=_cpu_from_dict(cpu),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(frozen: str, mtime_ns: int | None) -> Profile:
+    # mtime_ns is part of the cache key only: an edited profile file is read again
+    spec = json.loads(frozen)
+    data = profile_dict(spec)
+    cpu = data.get("cpu")
+    if cpu is None:
+        cpu_data = local_cpu_profile()
+    elif isinstance(cpu, str):
+        cpu_data = _read_packaged(f"{cpu}.cpu.yaml")
+    else:
+        cpu_data = cpu
+    return _build(data, cpu_data)
+
+
+def load_profile(spec: str | os.PathLike | Mapping[str, Any] | None = None) -> Profile:
+    """Load the profile ``spec`` (default: the ``eugo.profile`` config value)."""
+    if spec is None:
+        import dask
+
+        spec = dask.config.get(_CONFIG_KEY)
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    try:
+        frozen = json.dumps(spec, sort_keys=True)
+    except TypeError as e:
+        raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
+    mtime_ns = None
+    if isinstance(spec, str) and spec not in PRESETS:
+        try:
+            mtime_ns = os.stat(spec).st_mtime_ns
+        except OSError:
+            pass  # profile_dict names the problem
+    return _load_cached(frozen, mtime_ns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local CPU measurement
+# ---------------------------------------------------------------------------------------------
+def _best_seconds(fn, repeat: int = 5) -> float:
+    fn()  # warm-up (allocation, BLAS thread start)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def measure_local_cpu() -> dict[str, Any]:
+    """Measure this machine's CPU rates in well under a second (one thread, except BLAS).
+
+    Elementwise ``flops_per_s`` is in the cost model's flop-equivalents: ``np.sin`` counts as
+    :data:`eugo_dask.cost_model.UFUNC_WEIGHTS` ``["sin"]`` per element.
+    """
+    from dask.system import CPU_COUNT
+
+    from eugo_dask.cost_model import UFUNC_WEIGHTS
+
+    n = 1 << 21
+    x32 = np.random.default_rng(0).random(n, dtype=np.float32)
+    x64 = x32.astype(np.float64)
+    out64 = np.empty_like(x64)
+    add_s = _best_seconds(lambda: np.add(x64, 1.0, out=out64))
+    bandwidth = 2 * x64.nbytes / add_s  # read + write traffic
+    flops = {}
+    for dtype, x in (("float32", x32), ("float64", x64)):
+        out = np.empty_like(x)
+        sin_s = _best_seconds(lambda x=x, out=out: np.sin(x, out=out))
+        flops[dtype] = UFUNC_WEIGHTS["sin"] * n / sin_s
+    matmul = {}
+    for dtype in ("float32", "float64"):
+        m = np.random.default_rng(1).random((384, 384)).astype(dtype)
+        matmul[dtype] = 2 * 384**3 / _best_seconds(lambda m=m: m @ m)
+    fft = {}
+    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
+        z = (np.random.default_rng(2).random((256, 256)) + 0j).astype(ctype)
+        fft[dtype] = 5 * z.size * np.log2(z.size) / _best_seconds(lambda z=z: np.fft.fft2(z))
+    overhead = _best_seconds(lambda: np.add(x32[:8], 1), repeat=50)
+    return {
+        "name": platform.processor() or platform.machine() or "local-cpu",
+        "source": f"measured {time.strftime('%Y-%m-%d')} on {platform.node()} (quick)",
+        "threads": int(CPU_COUNT),
+        "memory_bandwidth_bytes_per_s": bandwidth,
+        "flops_per_s": flops,
+        "matmul_flops_per_s": matmul,
+        "fft_flops_per_s": fft,
+        "task_overhead_s": max(overhead, 1e-6),
+    }
+
+
+def _cpu_cache_path() -> Path:
+    from dask.system import CPU_COUNT
+
+    ident = "|".join([platform.node(), platform.machine(), platform.processor(), str(CPU_COUNT),
+                      np.__version__])
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "eugo-dask" / f"cpu-{digest}.json"
+
+
+@functools.lru_cache(maxsize=1)
+def local_cpu_profile() -> dict[str, Any]:
+    """The local CPU's profile section: read from the per-machine cache, else measured and
+    cached."""
+    path = _cpu_cache_path()
+    try:
+        data = json.loads(path.read_text())
+        _check_section("cpu", data, _CPU_FIELDS)
+        return data
+    except (OSError, ValueError):
+        pass
+    data = measure_local_cpu()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+    except OSError:  # read-only home: measure again next process
+        pass
+    return data

@@ -1,0 +1,171 @@
+"""Plan -> graph: GPU tasks, transfer tasks and resource annotations.
+
+For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
+
+- ``("eugo-gpu-name", i, j)`` runs the original function through
+  :class:`~eugo_dask.runtime.DeviceCall` on device inputs and leaves its result on the device;
+- each input produced on the host gets one ``("eugo-h2d-name", ...)`` copy task, shared by all of
+  its GPU consumers;
+- ``K`` itself becomes the device->host copy where an output or a CPU consumer needs NumPy, and
+  disappears otherwise (its GPU consumers read the device copy).
+
+Output keys, culling and persist keep working because every key a CPU consumer or the caller can
+see still exists and still holds NumPy. GPU and transfer tasks are annotated with the worker
+resource (``eugo.resource``) so a distributed scheduler can pin them; key prefixes start with
+``eugo-gpu``/``eugo-h2d`` so the dashboard tells them apart.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef, _execute_subgraph
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.utils import key_split
+
+from eugo_dask.cost_model import (
+    AGGREGATE,
+    GPU_FAMILIES,
+    IO,
+    SOURCE_FAMILIES,
+    UNKNOWN,
+    classify_func,
+)
+from eugo_dask.devices import device_dtype_ok
+from eugo_dask.planner import Plan
+from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
+
+GPU_PREFIX, H2D_PREFIX = "eugo-gpu-", "eugo-h2d-"
+
+
+def prefixed_key(key: Any, prefix: str) -> Any:
+    """``("add-abc", 0, 1)`` -> ``("eugo-gpu-add-abc", 0, 1)``."""
+    if isinstance(key, tuple):
+        return (prefix + str(key[0]), *key[1:])
+    return prefix + str(key)
+
+
+class ResourceAnnotation:
+    """Per-key ``resources`` annotation: ``{resource: 1}`` for GPU keys, None for the rest
+    (the scheduler ignores None)."""
+
+    def __init__(self, keys: frozenset, resource: str) -> None:
+        self.keys = keys
+        self.resource = resource
+
+    def __call__(self, key: Any) -> dict[str, int] | None:
+        return {self.resource: 1} if key in self.keys else None
+
+    def __reduce__(self):
+        return (ResourceAnnotation, (self.keys, self.resource))
+
+
+def annotated_graph(dsk: Mapping[Any, GraphNode], gpu_keys: frozenset, resource: str) -> HighLevelGraph:
+    """One-layer HighLevelGraph whose GPU keys request ``resource``."""
+    name = f"eugo-{uuid.uuid4().hex}"
+    layer = MaterializedLayer(
+        dict(dsk), annotations={"resources": ResourceAnnotation(gpu_keys, resource)}
+    )
+    return HighLevelGraph({name: layer}, {name: set()})
+
+
+def is_inner_source(node: GraphNode) -> bool:
+    """A node inside a fused task whose result starts on the host: an embedded chunk, or a
+    creation function (ones, arange, random...)."""
+    if isinstance(node, DataNode):
+        value = node.value
+        return isinstance(value, np.ndarray) and value.ndim > 0 and device_dtype_ok(value.dtype)
+    return classify_func(node.func)[0] in SOURCE_FAMILIES
+
+
+_CPU_ONLY = frozenset({AGGREGATE, IO, UNKNOWN})
+
+
+def _families(node: GraphNode) -> set[str]:
+    if type(node) is not Task:
+        return set()
+    if node.func is _execute_subgraph:
+        return set().union(*map(_families, node.args[0].values()))
+    return {classify_func(node.func)[0]}
+
+
+def _is_linear_fusion(node: Task) -> bool:
+    inkeys = node.args[2]
+    return not any(isinstance(k, str) and k.startswith("__dask_blockwise__") for k in inkeys)
+
+
+def split_mixed_tasks(dsk: Mapping[Any, GraphNode]) -> dict[Any, GraphNode]:
+    """Undo Dask's linear fusion where it joined device work with CPU-only work (an I/O read
+    before it, ``finalize`` or an aggregate after it), so each part can be placed on its own.
+
+    The fused chain's nodes become top-level tasks again under their original keys; the fused
+    key becomes an alias of the chain's last node.
+    """
+    out: dict[Any, GraphNode] | None = None
+    for key, node in dsk.items():
+        if not (type(node) is Task and node.func is _execute_subgraph and _is_linear_fusion(node)):
+            continue
+        families = _families(node)
+        if not (families & GPU_FAMILIES and families & _CPU_ONLY):
+            continue
+        if out is None:
+            out = dict(dsk)
+        inner, top = node.args[0], node.args[1]
+        out.update(inner)
+        if key != top:
+            out[key] = Alias(key, top)
+    return dsk if out is None else out
+
+
+def rewrite_graph(
+    dsk: Mapping[Any, GraphNode], plan: Plan, *, device: str, resource: str
+) -> HighLevelGraph:
+    """Apply ``plan`` to ``dsk`` (task-spec nodes): see the module docstring."""
+    out = dict(dsk)
+    gpu = set(plan.gpu_keys)
+    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
+
+    def resolve(k: Any) -> Any:
+        while k in aliases:
+            k = aliases[k]
+        return k
+
+    annotated: set = set()
+    h2d: dict[Any, Any] = {}
+
+    def device_input(dep: Any) -> Any:
+        source = resolve(dep)
+        if source in gpu:
+            return prefixed_key(source, GPU_PREFIX)
+        if source not in h2d:
+            h2d[source] = key = prefixed_key(source, H2D_PREFIX)
+            out[key] = Task(key, to_device, TaskRef(source), device)
+            annotated.add(key)
+        return h2d[source]
+
+    for key in plan.gpu_keys:
+        node = dsk[key]
+        assert type(node) is Task, node
+        moved = node.substitute({d: device_input(d) for d in node.dependencies})
+        args = moved.args
+        if node.func is _execute_subgraph:
+            args = (sources_on_device(args[0], is_inner_source, device), *args[1:])
+        device_key = prefixed_key(key, GPU_PREFIX)
+        out[device_key] = Task(
+            device_key, DeviceCall(node.func, device, key_split(key)), *args, **moved.kwargs
+        )
+        annotated.add(device_key)
+        if plan.needs_host(key):
+            out[key] = Task(key, to_host, TaskRef(device_key), device)
+            annotated.add(key)
+        else:
+            del out[key]
+    # Aliases of results that stay on the device had only GPU consumers, now rewired.
+    for key, target in aliases.items():
+        source = resolve(target)
+        if source in gpu and not plan.needs_host(source):
+            del out[key]
+    return annotated_graph(out, frozenset(annotated), resource)

@@ -1,0 +1,202 @@
+"""What runs inside the rewritten tasks.
+
+The rewrite (:mod:`eugo_dask.rewrite`) builds three kinds of tasks from these callables:
+
+- ``to_device(value, device)``: a host->device transfer task (one per host chunk with GPU
+  consumers);
+- ``DeviceCall(func, device)(...)``: the original chunk function run on device arrays;
+- ``to_host(value, device)``: a device->host transfer task, kept under the original key wherever a
+  CPU consumer or an output needs NumPy.
+
+Each carries its CPU path. Where the device is not usable in this process (a worker without CuPy
+or a GPU) everything passes host arrays through and the original function runs on the CPU. Where
+the device fails inside a task (out of memory, CUDA runtime error, a function that refuses device
+arrays) the task re-runs its CPU path on host copies of its inputs, the fallback is counted and
+logged once per task prefix, and the result is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from dask._task_spec import DataNode, Task, TaskRef, _execute_subgraph
+from dask.utils import funcname
+
+from eugo_dask.devices import Device, _stats, device_dtype_ok, get_device
+
+logger = logging.getLogger(__name__)
+_task_logger = logging.getLogger(__name__ + ".tasks")
+
+_state = threading.local()
+_logged_prefixes: set[str] = set()
+
+
+def _cpu_path_active() -> bool:
+    return getattr(_state, "cpu_path", False)
+
+
+@contextlib.contextmanager
+def _cpu_path() -> Iterator[None]:
+    previous = _cpu_path_active()
+    _state.cpu_path = True
+    try:
+        yield
+    finally:
+        _state.cpu_path = previous
+
+
+def _map_arrays(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """Apply ``convert`` to every array in a (possibly nested) task value."""
+    if isinstance(value, list):
+        return [_map_arrays(v, convert) for v in value]
+    if type(value) is tuple:
+        return tuple(_map_arrays(v, convert) for v in value)
+    if type(value) is dict:
+        return {k: _map_arrays(v, convert) for k, v in value.items()}
+    return convert(value)
+
+
+def _host_to_device(device: Device) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if (
+            type(value) is np.ndarray
+            and value.ndim > 0
+            and device_dtype_ok(value.dtype)
+            and not device.is_device_array(value)
+        ):
+            return device.to_device(value)
+        return value
+
+    return convert
+
+
+def _device_to_host(device: Device) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if device.is_device_array(value):
+            return device.to_host(value)
+        return value
+
+    return convert
+
+
+def to_device(value: Any, device_name: str) -> Any:
+    """Host->device transfer task: every numeric array in ``value`` moves to the device."""
+    device = get_device(device_name)
+    if device is None or _cpu_path_active():
+        return value
+    return _map_arrays(value, _host_to_device(device))
+
+
+def to_host(value: Any, device_name: str) -> Any:
+    """Device->host transfer task: every device array in ``value`` comes back as NumPy."""
+    device = get_device(device_name)
+    if device is None:
+        return value
+    return _map_arrays(value, _device_to_host(device))
+
+
+class OnDevice:
+    """A source inside a fused GPU task (an embedded chunk, ones/arange...): run it, then move
+    its result to the device, so the rest of the fused task runs there."""
+
+    __slots__ = ("func", "device_name")
+
+    def __init__(self, func: Callable[..., Any], device_name: str) -> None:
+        self.func = func
+        self.device_name = device_name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return to_device(self.func(*args, **kwargs), self.device_name)
+
+    def __reduce__(self):
+        return (OnDevice, (self.func, self.device_name))
+
+    def __repr__(self) -> str:
+        return f"OnDevice({funcname(self.func)})"
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_name: str) -> dict:
+    """Rewrite the inner graph of a fused task so its sources land on the device."""
+    out = {}
+    for key, node in inner_dsk.items():
+        if isinstance(node, DataNode) and is_source(node):
+            out[key] = Task(key, OnDevice(_identity, device_name), DataNode(None, node.value))
+        elif type(node) is Task and node.func is _execute_subgraph:
+            args = (sources_on_device(node.args[0], is_source, device_name), *node.args[1:])
+            out[key] = Task(key, _execute_subgraph, *args, **node.kwargs)
+        elif type(node) is Task and is_source(node):
+            out[key] = Task(key, OnDevice(node.func, device_name), *node.args, **node.kwargs)
+        else:
+            out[key] = node
+    return out
+
+
+class DeviceCall:
+    """Run a chunk function on the device, with its CPU path as the fallback."""
+
+    __slots__ = ("func", "device_name", "prefix")
+
+    def __init__(self, func: Callable[..., Any], device_name: str, prefix: str) -> None:
+        self.func = func
+        self.device_name = device_name
+        self.prefix = prefix
+
+    def __reduce__(self):
+        return (DeviceCall, (self.func, self.device_name, self.prefix))
+
+    def __repr__(self) -> str:
+        return f"DeviceCall({funcname(self.func)}, {self.device_name!r})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        device = get_device(self.device_name)
+        if device is None or _cpu_path_active():
+            return self._run_cpu_path(None, args, kwargs)
+        try:
+            convert = _host_to_device(device)
+            result = self.func(*_map_arrays(args, convert), **_map_arrays(kwargs, convert))
+        except Exception as exc:
+            return self._fall_back(device, exc, args, kwargs)
+        _stats.add(tasks=1)
+        return result
+
+    def _fall_back(self, device: Device, exc: Exception, args: tuple, kwargs: dict) -> Any:
+        reason = "device error" if device.is_device_error(exc) else "unsupported on device"
+        reason = f"{reason}: {type(exc).__name__}"
+        _stats.add_fallback(reason)
+        if self.prefix not in _logged_prefixes:
+            _logged_prefixes.add(self.prefix)
+            logger.warning(
+                "eugo: %s tasks fell back to the CPU (%s: %s); later fallbacks of this prefix "
+                "are logged at DEBUG on %s",
+                self.prefix,
+                reason,
+                exc,
+                _task_logger.name,
+            )
+        else:
+            _task_logger.debug("%s fell back to the CPU: %s", self.prefix, reason)
+        return self._run_cpu_path(device, args, kwargs)
+
+    def _run_cpu_path(self, device: Device | None, args: tuple, kwargs: dict) -> Any:
+        if device is not None:
+            convert = _device_to_host(device)
+            args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
+        with _cpu_path():
+            return self.func(*args, **kwargs)
+
+
+def is_eugo_callable(func: Any) -> bool:
+    """Whether ``func`` is one of the callables this module puts into graphs."""
+    return func in (to_device, to_host) or isinstance(func, (DeviceCall, OnDevice))
+
+
+__all__ = ["DeviceCall", "OnDevice", "TaskRef", "is_eugo_callable", "to_device", "to_host"]

@@ -1,0 +1,34 @@
+"""Shared fixtures: settings that run every GPU path on the emulated device."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+
+import eugo_dask
+
+#: The seed's machine: an H200 beside a server-class CPU (both from presets, no measurement).
+H200_SERVER = {"base": "h200", "cpu": "server-x86"}
+
+
+@pytest.fixture
+def emulated():
+    """eugo on, emulated device, every device-capable task offloaded; counters reset."""
+    with dask.config.set(
+        {
+            "optimizations": [eugo_dask.eugo],
+            "eugo.device": "emulated",
+            "eugo.min-speedup": 0,
+            "eugo.profile": H200_SERVER,
+        }
+    ):
+        eugo_dask.reset_device_stats()
+        yield
+    eugo_dask.reset_device_stats()
+
+
+@pytest.fixture
+def h200_server():
+    """Plan under the h200 preset with the server-class CPU, default min-speedup."""
+    with dask.config.set({"eugo.device": "emulated", "eugo.profile": H200_SERVER}):
+        yield
