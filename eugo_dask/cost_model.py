@@ -246,11 +246,24 @@ def _gpu_call_s(profile: Profile) -> float:
     return profile.gpu.call_overhead_s + profile.gpu.kernel_launch_s
 
 
-def _matmul_flops(arrays: list[ArraySpec], out: ArraySpec) -> tuple[float, float]:
-    """FLOPs and effective matrix size of a contraction from its operand and result sizes."""
-    a, b = sorted(arrays, key=lambda s: s.size)[-2:] if len(arrays) >= 2 else (arrays[0], arrays[0])
-    volume = float(a.size) * float(b.size) * float(max(out.size, 1))
-    return 2.0 * math.sqrt(volume), volume ** (1.0 / 6.0)
+def _contracted_size(a: ArraySpec, b: ArraySpec) -> int:
+    """Length of the axis two matmul/tensordot operands share (A @ B, A @ B.T, A.T @ B)."""
+    if len(a.shape) >= 2 and len(b.shape) >= 2:
+        for i, j in ((-1, -2), (-1, -1), (-2, -2)):
+            if a.shape[i] == b.shape[j]:
+                return max(a.shape[i], 1)
+    shared = set(a.shape) & set(b.shape)
+    return max(shared, default=1)
+
+
+def _matmul_flops(arrays: list[ArraySpec]) -> tuple[float, float]:
+    """FLOPs of a contraction of its two largest operands, and its effective matrix size
+    (cube root of m*n*k)."""
+    if len(arrays) < 2:
+        arrays = arrays * 2
+    a, b = sorted(arrays, key=lambda s: s.size)[-2:]
+    mnk = float(a.size) * float(b.size) / _contracted_size(a, b)
+    return 2.0 * mnk, mnk ** (1.0 / 3.0)
 
 
 def estimate_op(
@@ -270,7 +283,7 @@ def estimate_op(
                     flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FLOPS_EFFICIENCY))
         return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
     if op.family == MATMUL:
-        flops, size = _matmul_flops(inputs or [out], out)
+        flops, size = _matmul_flops(inputs or [out])
         cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + CPU_MATMUL_HALF_N)
         gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * GPU_MATMUL_EFFICIENCY
                     * size / (size + GPU_MATMUL_HALF_N))
@@ -295,11 +308,15 @@ def estimate_op(
         traffic = 2 * n * item
         return (0.0, traffic / cpu.memory_bandwidth_bytes_per_s + CPU_CALL_S,
                 traffic / _gpu_bw(profile) + _gpu_call_s(profile))
-    # creation, I/O, aggregation, unknown: CPU only; price their memory traffic
-    traffic = (sum(s.nbytes for s in inputs) + out.nbytes) if op.family != DATA else 0
+    if op.family == DATA:  # a chunk embedded in the graph: already in host memory
+        return 0.0, 0.0, 0.0
+    # creation, I/O, aggregation, unknown run on the host; price their memory traffic
+    traffic = sum(s.nbytes for s in inputs) + out.nbytes
     flops = 5.0 * n if op.name.startswith("_apply_random") else 0.0
     cpu_s = traffic / cpu.memory_bandwidth_bytes_per_s + flops / cpu.flops_per_s.for_dtype(dtype)
-    return flops, cpu_s + CPU_CALL_S, math.inf
+    cpu_s += CPU_CALL_S
+    # inside a GPU task a creation source still runs on the host (then its chunk is copied)
+    return flops, cpu_s, cpu_s if op.family == CREATION else math.inf
 
 
 def estimate_task(
@@ -343,7 +360,7 @@ def estimate_task(
     cpu_s += profile.cpu.task_overhead_s
     return Estimate(
         op=main.family,
-        detail=">".join(o.name for o in ops) if len(ops) <= 4 else f"{main.name}+{len(ops) - 1}",
+        detail=">".join(o.name for o in ops[:4]) + (f">…({len(ops)} ops)" if len(ops) > 4 else ""),
         flops=flops,
         in_bytes=in_bytes,
         out_bytes=out.nbytes,

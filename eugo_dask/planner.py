@@ -239,9 +239,28 @@ def _flatten_keys(keys: Any) -> set:
     return out
 
 
+def _execution_order(inner: Mapping[Any, GraphNode]) -> list[GraphNode]:
+    """The nodes of a fused task's inner graph, each after its inner dependencies."""
+    order: list[GraphNode] = []
+    done: set = set()
+    for root in inner:
+        stack = [(root, False)]
+        while stack:
+            key, expanded = stack.pop()
+            if key in done:
+                continue
+            if expanded:
+                done.add(key)
+                order.append(inner[key])
+                continue
+            stack.append((key, True))
+            stack.extend((d, False) for d in inner[key].dependencies if d in inner and d not in done)
+    return order
+
+
 def _inner_ops(inner: Mapping[Any, GraphNode], embedded: list[ArraySpec]) -> list[Op]:
     ops: list[Op] = []
-    for node in reversed(list(inner.values())):  # dask stores fused graphs output first
+    for node in _execution_order(inner):
         if isinstance(node, DataNode):
             if isinstance(node.value, np.ndarray):
                 ops.append(Op(DATA, "array"))

@@ -2,9 +2,9 @@
 
 For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
 
-- ``("eugo-gpu-name", i, j)`` runs the original function through
+- ``("eugo-gpu-<prefix>-name", i, j)`` runs the original function through
   :class:`~eugo_dask.runtime.DeviceCall` on device inputs and leaves its result on the device;
-- each input produced on the host gets one ``("eugo-h2d-name", ...)`` copy task, shared by all of
+- each input produced on the host gets one ``("eugo-todevice-<prefix>-name", ...)`` copy task, shared by all of
   its GPU consumers;
 - ``K`` itself becomes the device->host copy where an output or a CPU consumer needs NumPy, and
   disappears otherwise (its GPU consumers read the device copy).
@@ -12,7 +12,7 @@ For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
 Output keys, culling and persist keep working because every key a CPU consumer or the caller can
 see still exists and still holds NumPy. GPU and transfer tasks are annotated with the worker
 resource (``eugo.resource``) so a distributed scheduler can pin them; key prefixes start with
-``eugo-gpu``/``eugo-h2d`` so the dashboard tells them apart.
+``eugo-gpu``/``eugo-todevice`` so the dashboard tells them apart.
 """
 
 from __future__ import annotations
@@ -38,14 +38,33 @@ from eugo_dask.devices import device_dtype_ok
 from eugo_dask.planner import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 
-GPU_PREFIX, H2D_PREFIX = "eugo-gpu-", "eugo-h2d-"
+#: Key prefixes of the tasks eugo adds: device compute, and host->device copies.
+GPU_PREFIX, H2D_PREFIX = "eugo-gpu", "eugo-todevice"
+
+
+def _alphabetic_words(name: str) -> list[str]:
+    # key_split keeps only alphabetic words, and stops at an 8-letter word starting a-f (it
+    # takes that for a hex token): split "chunk_sum" into "chunk", "sum"; pad such words.
+    words = []
+    for part in name.replace("_", "-").split("-"):
+        word = "".join(filter(str.isalpha, part))
+        if len(word) == 8 and word[0] in "abcdef":
+            word += "s"
+        if word:
+            words.append(word)
+    return words
 
 
 def prefixed_key(key: Any, prefix: str) -> Any:
-    """``("add-abc", 0, 1)`` -> ``("eugo-gpu-add-abc", 0, 1)``."""
-    if isinstance(key, tuple):
-        return (prefix + str(key[0]), *key[1:])
-    return prefix + str(key)
+    """``("chunk_sum-abc", 0, 1)`` -> ``("eugo-gpu-chunk-sum-chunk_sum-abc", 0, 1)``.
+
+    The original name is kept whole (keys stay unique) after a copy of its task prefix in
+    alphabetic words, so the dashboard's prefix (``key_split``) reads ``eugo-gpu-chunk-sum``.
+    """
+    name = str(key[0] if isinstance(key, tuple) else key)
+    words = [prefix, *_alphabetic_words(key_split(name))]
+    new = "-".join(words) + "-" + name
+    return (new, *key[1:]) if isinstance(key, tuple) else new
 
 
 class ResourceAnnotation:

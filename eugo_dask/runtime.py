@@ -85,11 +85,20 @@ def _device_to_host(device: Device) -> Callable[[Any], Any]:
 
 
 def to_device(value: Any, device_name: str) -> Any:
-    """Host->device transfer task: every numeric array in ``value`` moves to the device."""
+    """Host->device transfer task: every numeric array in ``value`` moves to the device.
+
+    Where the device has no room, the value stays on the host and its consumers run their CPU
+    path.
+    """
     device = get_device(device_name)
     if device is None or _cpu_path_active():
         return value
-    return _map_arrays(value, _host_to_device(device))
+    try:
+        return _map_arrays(value, _host_to_device(device))
+    except Exception as exc:
+        if not device.is_device_error(exc):
+            raise
+        return value
 
 
 def to_host(value: Any, device_name: str) -> Any:
@@ -111,7 +120,12 @@ class OnDevice:
         self.device_name = device_name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return to_device(self.func(*args, **kwargs), self.device_name)
+        value = self.func(*args, **kwargs)
+        device = get_device(self.device_name)
+        if device is None or _cpu_path_active():
+            return value
+        # no room on the device raises here, and the enclosing DeviceCall falls back
+        return _map_arrays(value, _host_to_device(device))
 
     def __reduce__(self):
         return (OnDevice, (self.func, self.device_name))

@@ -1,0 +1,137 @@
+"""Placement decisions: the seed's six verdicts, where data lives, margins and limits."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+
+import eugo_dask
+
+N512M = 512 * 2**20
+
+
+def host(shape, chunks=None, dtype="f4", name="x"):
+    """A host-resident array of any size without allocating it (a broadcast view)."""
+    base = np.broadcast_to(np.ones((), dtype=dtype), shape)
+    return da.from_array(base, chunks=chunks or shape, name=name)
+
+
+def gauss_sine(x):
+    """The seed's 'elementwise transform': a Gaussian-windowed sine, two transcendentals."""
+    return np.exp(-x * x) * np.sin(x)
+
+
+SEED_ROWS = {
+    # name: (build, verdict) -- the seed's table, float32, host-resident, one chunk each
+    "matmul 8192²": (lambda: host((8192, 8192), name="a") @ host((8192, 8192), name="b"), "gpu"),
+    "elementwise 512M": (lambda: gauss_sine(host((N512M,))), "gpu"),
+    "fft 4096²": (lambda: da.fft.fft2(host((4096, 4096))), "gpu"),
+    "sum 512M": (lambda: host((N512M,)).sum(), "cpu"),
+    "matmul 256²": (lambda: host((256, 256), name="a") @ host((256, 256), name="b"), "cpu"),
+    "elementwise 10K": (lambda: gauss_sine(host((10_000,))), "cpu"),
+}
+
+
+def main_decision(plan):
+    """The task doing the row's work (the most CPU seconds)."""
+    return max(plan, key=lambda d: d.cpu_s)
+
+
+@pytest.mark.parametrize("row", list(SEED_ROWS))
+def test_seed_table_verdicts(row, h200_server):
+    build, verdict = SEED_ROWS[row]
+    plan = eugo_dask.explain(build())
+    decision = main_decision(plan)
+    assert decision.device == verdict, decision.reason
+    # the reason carries the numbers behind the verdict
+    assert "GPU" in decision.reason and "CPU" in decision.reason and "vs" in decision.reason
+    assert ("H2D" in decision.reason) == (decision.h2d_s > 0)
+    if verdict == "gpu":
+        assert decision.cpu_s >= 2 * (decision.gpu_s + decision.h2d_s + decision.d2h_s)
+    else:
+        assert decision.cpu_s < 2 * (decision.gpu_s + decision.h2d_s + decision.d2h_s)
+
+
+def test_cheap_elementwise_over_host_data_stays_on_cpu(h200_server):
+    # x + 1 over 512M host floats: the copy there and back costs most of what the CPU pass does
+    decision = main_decision(eugo_dask.explain(host((N512M,)) + 1))
+    assert decision.device == "cpu"
+    assert decision.h2d_s + decision.d2h_s > decision.cpu_s / 2
+
+
+def test_chunking_changes_what_pays(h200_server):
+    # 2048² blocks: matmul still pays on the GPU; elementwise and sum spread over 32 CPU threads
+    a, b = host((8192, 8192), (2048, 2048), name="a"), host((8192, 8192), (2048, 2048), name="b")
+    matmul = eugo_dask.explain(a @ b)
+    assert {d.device for d in matmul if d.op == "matmul"} == {"gpu"}
+    chunked = host((N512M,), (2048 * 2048,))
+    for collection in (gauss_sine(chunked), chunked.sum()):
+        plan = eugo_dask.explain(collection)
+        assert len(plan) > 100
+        assert not plan.gpu_keys, str(plan)
+        assert any("/ 32 threads" in d.reason for d in plan)
+
+
+def test_reduction_follows_its_data(emulated):
+    # over host data: the partial sums stay on the CPU; over device data: they run on the device
+    with dask.config.set({"eugo.min-speedup": 2.0}):
+        x = host((4096, 4096), (1024, 4096))
+        plan = eugo_dask.explain(x.sum())
+        assert not plan.gpu_keys
+        a, b = host((4096, 4096), (1024, 4096), name="a"), host((4096, 4096), (4096, 4096), name="b")
+        y = a @ b  # used twice, so Dask cannot fuse the product into either reduction
+        plan = eugo_dask.explain(y.sum() + y.max())
+    partials = [d for d in plan if d.op == "reduction"]
+    assert len(partials) == 8, str(plan)
+    for d in partials:
+        assert d.device == "gpu", d.reason
+        assert d.h2d_s == 0  # its input is already on the device
+        assert "+ D2H" in d.reason.split("vs")[1]  # on the CPU it would pay the copy back
+    aggregates = [d for d in plan if d.op == "aggregate"]
+    assert aggregates and all(d.device == "cpu" for d in aggregates)
+
+
+def test_min_speedup_is_a_margin(h200_server):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    decision = main_decision(eugo_dask.explain(build()))
+    speedup = decision.cpu_s / (decision.gpu_s + decision.h2d_s + decision.d2h_s)
+    with dask.config.set({"eugo.min-speedup": speedup * 1.01}):
+        assert main_decision(eugo_dask.explain(build())).device == "cpu"
+    with dask.config.set({"eugo.min-speedup": speedup * 0.99}):
+        assert main_decision(eugo_dask.explain(build())).device == "gpu"
+
+
+def test_min_speedup_zero_offloads_everything_capable(h200_server):
+    with dask.config.set({"eugo.min-speedup": 0}):
+        plan = eugo_dask.explain(gauss_sine(host((10_000,))))
+    assert [d.device for d in plan] == ["gpu"]
+
+
+def test_chunk_too_big_for_device_memory_never_offloads(h200_server):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    with dask.config.set({"eugo.emulated.memory-limit": "500 MB"}):
+        decision = main_decision(eugo_dask.explain(build()))
+    assert decision.device == "cpu"
+    assert "on the device, more than" in decision.reason
+
+
+def test_float64_on_a_consumer_gpu(h200_server):
+    # an L4 runs float64 at 1/64 of float32: the same matmul pays in float32 only
+    with dask.config.set({"eugo.profile": {"base": "l4", "cpu": "server-x86"}}):
+        f32 = main_decision(eugo_dask.explain(host((4096, 4096), name="a") @ host((4096, 4096), name="b")))
+        f64 = main_decision(eugo_dask.explain(
+            host((4096, 4096), dtype="f8", name="a") @ host((4096, 4096), dtype="f8", name="b")))
+    assert f32.device == "gpu", f32.reason
+    assert f64.device == "cpu", f64.reason
+    assert f64.gpu_s > 10 * f32.gpu_s
+
+
+def test_io_aggregate_creation_and_unknown_never_offload(emulated):
+    x = da.random.default_rng(0).random((100, 100), chunks=50)
+    plan = eugo_dask.explain(x.map_blocks(lambda b: b + 1).sum())
+    reasons = {d.op: d.reason for d in plan}
+    assert all(d.device == "cpu" for d in plan if d.op in ("creation", "aggregate", "unknown"))
+    assert "runs on the host" in reasons["creation"]
+    assert "aggregation of partial results stays on the CPU" in reasons["aggregate"]

@@ -1,0 +1,159 @@
+"""The rewritten graph: transfers exactly at the planned boundaries, outputs intact."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+from dask.utils import key_split
+
+import eugo_dask
+from eugo_dask import device_stats, eugo
+from eugo_dask.rewrite import ResourceAnnotation
+
+A = np.random.default_rng(0).random((300, 200))
+B = np.random.default_rng(1).random((200, 240))
+
+
+def matmul_add_sum():
+    a = da.from_array(A, chunks=(100, 100))  # 3x2 chunks
+    b = da.from_array(B, chunks=(100, 120))  # 2x2 chunks
+    return ((a @ b) + 1).sum()
+
+
+def test_matmul_add_sum_moves_each_chunk_once(emulated):
+    x = matmul_add_sum()
+    with dask.config.set(optimizations=[]):
+        expected = x.compute()
+    result = x.compute(scheduler="sync")
+    assert_eq(result, expected)
+    stats = device_stats()
+    # one H2D per input chunk (6 of a, 4 of b), although each feeds several matmul partials
+    assert stats["h2d_count"] == 6 + 4
+    assert stats["h2d_bytes"] == A.nbytes + B.nbytes
+    # D2H only for the partial sums (one per output block), not for any matrix block
+    assert stats["d2h_count"] == 3 * 2
+    assert stats["d2h_bytes"] == 3 * 2 * np.dtype("f8").itemsize
+    assert stats["fallbacks"] == 0
+
+
+def test_matmul_add_sum_placement(emulated):
+    x = matmul_add_sum()
+    plan = eugo_dask.explain(x)
+    by_op = {}
+    for d in plan:
+        by_op.setdefault(d.op, set()).add(d.device)
+    assert by_op["matmul"] == {"gpu"}
+    assert by_op["aggregate"] == {"cpu"}  # the final aggregate runs on the CPU
+    dsk = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+    prefixes = {key_split(k) for k in dsk}
+    assert any(p.startswith("eugo-gpu-") for p in prefixes), prefixes
+    assert any(p.startswith("eugo-todevice-") for p in prefixes)
+    assert "eugo-gpu-chunk-sum" in prefixes  # the op stays readable in the dashboard
+    # no round trip between matmul and add: nothing converts back to host and then to device
+    # again, so the only host conversions feed the CPU aggregate
+    to_host = [k for k, v in dsk.items() if getattr(v, "func", None) is eugo_dask.runtime.to_host]
+    assert len(to_host) == 3 * 2
+    consumers = {k for k, v in dsk.items() if set(v.dependencies) & set(to_host)}
+    assert consumers and all(key_split(k) in ("sum-partial", "sum-aggregate") for k in consumers)
+    for k in to_host:  # each copies back a partial sum computed on the device
+        (source,) = dsk[k].dependencies
+        assert key_split(source) == "eugo-gpu-chunk-sum-aggregate-sum"
+
+
+def test_gpu_tasks_carry_resource_annotations(emulated):
+    x = matmul_add_sum()
+    with dask.config.set({"eugo.resource": "CUDA"}):
+        graph = x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__())
+    (layer,) = graph.layers.values()
+    annotation = layer.annotations["resources"]
+    assert isinstance(annotation, ResourceAnnotation)
+    for key in layer:
+        expected = {"CUDA": 1} if key_split(key).startswith("eugo-") else None
+        if key_split(key).startswith("eugo-"):
+            assert annotation(key) == expected
+    gpu_keys = [k for k in layer if key_split(k).startswith(("eugo-gpu", "eugo-todevice"))]
+    assert gpu_keys and all(annotation(k) == {"CUDA": 1} for k in gpu_keys)
+    assert annotation(next(k for k in layer if "aggregate" in key_split(k))) is None
+
+
+def test_idempotent_through_dask_optimize(emulated):
+    x = (da.from_array(A, chunks=100) * 2 + 1).sum(axis=0)
+    with dask.config.set(optimizations=[]):
+        expected = x.compute()
+    (optimized,) = dask.optimize(x)  # runs the pass once ...
+    eugo_dask.reset_device_stats()
+    result = optimized.compute(scheduler="sync")  # ... and compute runs it again
+    assert_eq(result, expected)
+    stats = device_stats()
+    assert stats["tasks"] > 0
+    # transfers were not duplicated by the second pass
+    assert stats["h2d_count"] == 6
+    graph = optimized.__dask_optimize__(optimized.__dask_graph__(), optimized.__dask_keys__())
+    gpu_prefixes = [key_split(k) for k in dict(graph) if key_split(k).startswith("eugo-gpu")]
+    assert not any(p.startswith("eugo-gpu-eugo") for p in gpu_prefixes)
+
+
+def test_direct_pass_keeps_output_keys_and_culls(emulated):
+    x = da.from_array(A, chunks=100) * 2
+    keys = x.__dask_keys__()
+    dsk = eugo(x.__dask_graph__(), keys)
+    flat = [k for row in keys for k in row]
+    assert set(flat) <= set(dict(dsk))
+    # culling to one output keeps only what that output needs
+    from dask._task_spec import cull
+    culled = cull(dict(dsk), [flat[0]])
+    assert len(culled) < len(dict(dsk))
+    result = dask.get(culled, flat[0])
+    np.testing.assert_array_equal(result, A[:100, :100] * 2)
+    assert type(result) is np.ndarray
+
+
+def test_slice_after_offload_computes_only_needed(emulated):
+    x = np.sin(da.from_array(A, chunks=100))
+    result = x[:10, :10].compute(scheduler="sync")
+    np.testing.assert_allclose(result, np.sin(A[:10, :10]))
+    assert device_stats()["h2d_count"] == 1
+
+
+def test_persist_then_compute(emulated):
+    x = np.exp(da.from_array(A, chunks=100)) @ da.from_array(B, chunks=100)
+    (p,) = dask.persist(x, scheduler="sync")
+    for block in p.__dask_graph__().values():
+        value = block.value if hasattr(block, "value") else block
+        assert type(value) is np.ndarray
+    assert_eq(p.sum(), np.exp(A) @ B .sum() if False else (np.exp(A) @ B).sum())
+
+
+def test_no_device_leaves_graph_unchanged():
+    x = np.sin(da.from_array(A, chunks=100)) + 1
+    for device in ("none", "auto"):  # auto: no CUDA device on this machine
+        with dask.config.set({"optimizations": [eugo], "eugo.device": device}):
+            graph = x.__dask_graph__()
+            assert eugo(graph, x.__dask_keys__()) is graph
+
+
+def test_importing_changes_no_graph():
+    x = (np.sin(da.from_array(A, chunks=100)) @ da.from_array(B, chunks=100)).sum()
+    from dask.array.optimization import optimize
+
+    with dask.config.set({"eugo.device": "emulated", "eugo.min-speedup": 0}):
+        ours = x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__())
+        plain = optimize(x.__dask_graph__(), x.__dask_keys__())
+    assert dict(ours).keys() == dict(plain).keys()
+
+
+def test_device_out_of_memory_falls_back_to_cpu(emulated, caplog):
+    x = np.exp(da.from_array(A, chunks=100)) * 2
+    (planned,) = dask.optimize(x)  # placed for a device with room
+    # ... then run on a device too small for one chunk
+    with dask.config.set({"eugo.emulated.memory-limit": 1000}):
+        result = planned.compute(scheduler="sync")
+    np.testing.assert_allclose(result, np.exp(A) * 2)
+    stats = device_stats()
+    assert stats["tasks"] == 0
+    assert stats["fallback_reasons"] == {"device error: EmulatedOutOfMemoryError": 6}
+    warnings = [r for r in caplog.records if "fell back to the CPU" in r.getMessage()]
+    assert len(warnings) == 1  # logged once per task prefix
