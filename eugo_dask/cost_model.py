@@ -30,7 +30,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -197,9 +197,9 @@ def classify_func(func: Any) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------
 # Estimates
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ArraySpec:
-    """Shape and dtype of one chunk."""
+class ArraySpec(NamedTuple):
+    """Shape and dtype of one chunk (a tuple: cheap to make, hash and compare by the
+    hundred thousand)."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -210,7 +210,7 @@ class ArraySpec:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

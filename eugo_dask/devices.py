@@ -241,6 +241,8 @@ class EmulatedDeviceArray(NDArrayOperatorsMixin):
     def _wrap(self, result: Any) -> Any:
         if isinstance(result, np.ndarray):
             return self._device.wrap(result)
+        if isinstance(result, np.generic):  # CuPy returns 0-d device arrays, not scalars
+            return self._device.wrap(np.asarray(result))
         if isinstance(result, tuple):
             return tuple(self._wrap(r) for r in result)
         if isinstance(result, list):

@@ -20,11 +20,12 @@ and the sets the rewrite needs. Nothing here touches tasks' execution or CuPy.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -78,53 +79,103 @@ class ChunkInfo:
         return ChunkInfo({**self._layers, **other._layers})
 
     def spec(self, key: Any) -> ArraySpec | None:
-        if not isinstance(key, tuple) or not key:
+        if type(key) is tuple and key:
+            info = self._layers.get(key[0])
+            index = key[1:]
+        else:
             info = self._layers.get(key)
             if info is None or any(len(c) != 1 for c in info[0]):
                 return None
-            index: tuple = (0,) * len(info[0])
-        else:
-            info = self._layers.get(key[0])
-            index = key[1:]
-        if info is None or len(index) != len(info[0]):
+            index = (0,) * len(info[0])
+        if info is None:
             return None
         chunks, dtype = info
+        if len(index) != len(chunks):
+            return None
         try:
-            shape = tuple(chunks[d][i] for d, i in enumerate(index))
+            shape = tuple([dim[i] for dim, i in zip(chunks, index)])
         except (IndexError, TypeError):
             return None
-        if any(isinstance(s, float) and math.isnan(s) for s in shape):
-            return None
-        return ArraySpec(tuple(int(s) for s in shape), dtype)
+        if type(shape[0] if shape else 0) is not int:
+            if any(isinstance(s, float) and math.isnan(s) for s in shape):
+                return None
+            shape = tuple(int(s) for s in shape)
+        return ArraySpec(shape, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
 class Decision:
-    """Where one task runs, with the numbers behind it."""
+    """Where one task runs, with the numbers behind it; ``reason`` says it in words.
 
-    key: Any
-    prefix: str
-    op: str
-    detail: str
-    shape: tuple[int, ...] | None
-    dtype: str | None
-    bytes: int
-    flops: float
-    cpu_s: float
-    gpu_s: float | None
-    h2d_s: float
-    d2h_s: float
-    device: str
-    reason: str
+    Seconds are estimates: ``cpu_s`` per task as it runs among its siblings (per-thread work
+    divided by the chunks that run side by side), ``gpu_s`` device compute (None where the task
+    cannot run on a device), ``h2d_s``/``d2h_s`` the copies a GPU placement would pay.
+    """
+
+    __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
+                 "_d2h_in_s", "_min_speedup", "_memory_limit")
+
+    def __init__(self, key: Any, device: str, estimate: Estimate, spec: ArraySpec | None,
+                 cpu_s: float, h2d_s: float, d2h_s: float, *, lanes: int, d2h_in_s: float,
+                 min_speedup: float, memory_limit: float | None) -> None:
+        self.key, self.device, self.cpu_s = key, device, cpu_s
+        self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
+        self._estimate, self._spec, self._lanes = estimate, spec, lanes
+        self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
+
+    prefix = property(lambda self: key_split(self.key))
+    op = property(lambda self: self._estimate.op)
+    detail = property(lambda self: self._estimate.detail)
+    flops = property(lambda self: self._estimate.flops)
+    bytes = property(lambda self: self._estimate.in_bytes + self._estimate.out_bytes)
+    shape = property(lambda self: self._spec.shape if self._spec is not None else None)
+    dtype = property(lambda self: str(self._spec.dtype) if self._spec is not None else None)
+
+    @property
+    def gpu_s(self) -> float | None:
+        return self._estimate.gpu_s if self._estimate.gpu_capable else None
+
+    @property
+    def gpu_total_s(self) -> float:
+        return self._estimate.gpu_s + self.h2d_s + self.d2h_s
+
+    @property
+    def reason(self) -> str:
+        est, spec = self._estimate, self._spec
+        shape = "x".join(map(str, spec.shape)) if spec is not None and spec.shape else "scalar"
+        label = f"{est.detail} {shape} {self.dtype or '?'}"
+        if not est.gpu_capable:
+            return f"{label}: {est.why_cpu}"
+        if self._memory_limit is not None:
+            return (f"{label}: needs {format_bytes(_working_set(est))} on the device, more than "
+                    f"the {format_bytes(self._memory_limit)} allowed")
+        parts = [f"GPU {format_seconds(est.gpu_s)}"]
+        parts += [f"H2D {format_seconds(self.h2d_s)}"] if self.h2d_s else []
+        parts += [f"D2H {format_seconds(self.d2h_s)}"] if self.d2h_s else []
+        cpu = f"CPU {format_seconds(est.cpu_s)}" + (f" / {self._lanes} threads" if self._lanes > 1 else "")
+        cpu += f" + D2H {format_seconds(self._d2h_in_s)}" if self._d2h_in_s else ""
+        total = self.gpu_total_s
+        speedup = (self.cpu_s + self._d2h_in_s) / total if total > 0 else math.inf
+        cmp = ">=" if self.device == GPU else "<"
+        return f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} {self._min_speedup:g})"
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        names = ("key", "prefix", "op", "detail", "shape", "dtype", "bytes", "flops", "cpu_s",
+                 "gpu_s", "h2d_s", "d2h_s", "device", "reason")
+        out = {name: getattr(self, name) for name in names}
         out["key"] = str(self.key)
         out["shape"] = list(self.shape) if self.shape is not None else None
         return out
+
+    def __repr__(self) -> str:
+        return f"Decision({self.key!r}, {self.device!r}, {self.reason!r})"
+
+
+def _working_set(est: Estimate) -> int:
+    """Device memory a task needs: its inputs, its result and about as much in temporaries."""
+    return est.in_bytes + 2 * est.out_bytes
 
 
 def format_seconds(seconds: float) -> str:
@@ -307,42 +358,87 @@ def _reduced_spec(node: Task, source: ArraySpec | None, out: ArraySpec | None) -
     return ArraySpec(shape, out.dtype if out is not None else source.dtype)
 
 
-def describe_task(
-    key: Any, node: Task, chunks: ChunkInfo, input_specs: list[ArraySpec | None], profile: Profile
-) -> tuple[Estimate, ArraySpec | None]:
-    """Estimate one task and infer its output chunk's spec."""
-    embedded: list[ArraySpec] = []
-    if node.func is _execute_subgraph:
-        ops = _inner_ops(node.args[0], embedded)
-        out = chunks.spec(node.args[1]) or chunks.spec(key)
-        out_node = node.args[0].get(node.args[1])
-    else:
-        family, name = classify_func(node.func)
-        ops = [Op(family, name, max(1, len(input_specs)))]
-        out = chunks.spec(key)
-        if out is None and family == MOVEMENT and name == "getitem":
-            out = _getitem_shape(node, input_specs[0] if len(input_specs) == 1 else None)
-        out_node = node
-    if not ops:
-        ops = [Op(MOVEMENT, "identity")]
-    known = [s for s in input_specs if s is not None]
-    if out is not None and node.func is _execute_subgraph:
-        # a chunk created inside a GPU task (ones, arange, random) is made on the host and
-        # copied: price it like an embedded chunk of the result's size
-        embedded += [out for op in ops if op.family == CREATION]
-    while type(out_node) is Task and out_node.func is _execute_subgraph:
-        out_node = out_node.args[0].get(out_node.args[1])
-    if type(out_node) is Task:
-        family, name = classify_func(out_node.func)
-        if family == REDUCTION and name not in CUMULATIVE:
+class _Structure:
+    """What a task's function(s) are, independent of its chunk: shared by every chunk of a
+    blockwise-fused layer (they share one inner graph)."""
+
+    __slots__ = ("ops", "embedded", "out_node", "reduction")
+
+    def __init__(self, node: Task, n_inputs: int) -> None:
+        embedded: list[ArraySpec] = []
+        if node.func is _execute_subgraph:
+            ops = _inner_ops(node.args[0], embedded)
+            out_node = node.args[0].get(node.args[1])
+        else:
+            family, name = classify_func(node.func)
+            ops = [Op(family, name, max(1, n_inputs))]
+            out_node = node
+        self.ops = tuple(ops) or (Op(MOVEMENT, "identity"),)
+        self.embedded = tuple(embedded)
+        while type(out_node) is Task and out_node.func is _execute_subgraph:
+            out_node = out_node.args[0].get(out_node.args[1])
+        self.out_node = out_node if type(out_node) is Task else None
+        self.reduction = False
+        if self.out_node is not None:
+            family, name = classify_func(self.out_node.func)
+            self.reduction = family == REDUCTION and name not in CUMULATIVE
+
+
+class TaskDescriber:
+    """Estimates tasks and infers their output chunks, reusing work across the chunks of a
+    layer (same functions, same shapes: same estimate)."""
+
+    def __init__(self, chunks: ChunkInfo, profile: Profile) -> None:
+        self.chunks, self.profile = chunks, profile
+        self._structures: dict[int, _Structure] = {}
+        self._estimates: dict[tuple, Estimate] = {}
+        self._reduced: dict[tuple, ArraySpec | None] = {}
+
+    def _structure(self, node: Task, n_inputs: int) -> _Structure:
+        if node.func is not _execute_subgraph:
+            return _Structure(node, n_inputs)
+        # the graph keeps every inner dict alive while we plan, so ids are not reused
+        cached = self._structures.get(id(node.args[0]))
+        if cached is None:
+            cached = self._structures[id(node.args[0])] = _Structure(node, n_inputs)
+        return cached
+
+    def describe(
+        self, key: Any, node: Task, input_specs: list[ArraySpec | None]
+    ) -> tuple[Estimate, ArraySpec | None]:
+        """Estimate one task and infer its output chunk's spec."""
+        chunks = self.chunks
+        structure = self._structure(node, len(input_specs))
+        ops = structure.ops
+        embedded = list(structure.embedded)
+        known = [s for s in input_specs if s is not None]
+        if node.func is _execute_subgraph:
+            out = chunks.spec(node.args[1]) or chunks.spec(key)
+            if out is not None:
+                # a chunk created inside a GPU task (ones, arange, random) is made on the host
+                # and copied: price it like an embedded chunk of the result's size
+                embedded += [out for op in ops if op.family == CREATION]
+        else:
+            out = chunks.spec(key)
+            if out is None and ops[0].name == "getitem" and ops[0].family == MOVEMENT:
+                out = _getitem_shape(node, known[0] if len(input_specs) == 1 and known else None)
+        if structure.reduction:
             # Dask annotates a reduction's chunk step with its input's chunks
             source = out or max(known + embedded, key=lambda s: s.size, default=None)
-            out = _reduced_spec(out_node, source, out)
-    estimate = estimate_task(ops, known + embedded, out, profile)
-    if len(known) < len(input_specs) and estimate.gpu_capable:
-        estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
-                           why_cpu="an input chunk's size is unknown")
-    return estimate, out
+            reduced_key = (id(structure.out_node), source, out)
+            if reduced_key not in self._reduced:
+                self._reduced[reduced_key] = _reduced_spec(structure.out_node, source, out)
+            out = self._reduced[reduced_key]
+        arrays = tuple(known + embedded)
+        cache_key = (ops, arrays, out, len(known) < len(input_specs))
+        estimate = self._estimates.get(cache_key)
+        if estimate is None:
+            estimate = estimate_task(list(ops), list(arrays), out, self.profile)
+            if len(known) < len(input_specs) and estimate.gpu_capable:
+                estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
+                                   why_cpu="an input chunk's size is unknown")
+            self._estimates[cache_key] = estimate
+        return estimate, out
 
 
 def _toposort(dsk: Mapping[Any, GraphNode], deps: Mapping[Any, Iterable[Any]]) -> list[Any]:
@@ -364,12 +460,6 @@ def _toposort(dsk: Mapping[Any, GraphNode], deps: Mapping[Any, Iterable[Any]]) -
     if len(order) != len(dsk):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
     return order
-
-
-def _describe_decision(est: Estimate, spec: ArraySpec | None) -> str:
-    shape = "x".join(map(str, spec.shape)) if spec is not None and spec.shape else "scalar"
-    dtype = str(spec.dtype) if spec is not None else "?"
-    return f"{est.detail} {shape} {dtype}"
 
 
 def plan_graph(
@@ -406,6 +496,7 @@ def plan_graph(
     threads = profile.cpu.threads
 
     # Pass 1: what each task is and costs, in dependency order (inputs' specs feed outputs').
+    describer = TaskDescriber(chunks, profile)
     specs: dict[Any, ArraySpec | None] = {}
     estimates: dict[Any, Estimate] = {}
     for k in order:
@@ -417,7 +508,7 @@ def plan_graph(
             specs[k] = specs.get(resolve(k))
         elif type(node) is Task and not is_eugo_callable(node.func):
             inputs = [specs.get(resolve(d)) for d in node.dependencies]
-            estimates[k], specs[k] = describe_task(k, node, chunks, inputs, profile)
+            estimates[k], specs[k] = describer.describe(k, node, inputs)
         else:
             specs[k] = None
 
@@ -445,46 +536,39 @@ def plan_graph(
         s = specs.get(k)
         return s.nbytes if s is not None else 0
 
+    h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
+    d2h_s = functools.lru_cache(maxsize=None)(lambda n: estimate_d2h_seconds(n, profile))
     for k in order:
         est = estimates.get(k)
         if est is None:
             continue
-        node = dsk[k]
-        inputs = {resolve(d) for d in node.dependencies}
+        inputs = {resolve(d) for d in dsk[k].dependencies}
         lanes = min(width[k[0] if isinstance(k, tuple) else k], threads) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / max(lanes, 1)
-        d2h_in = sum(estimate_d2h_seconds(nbytes(d), profile) for d in inputs
-                     if d in on_gpu and d not in d2h_done)
-        h2d = sum(estimate_h2d_seconds(nbytes(d), profile) for d in inputs
-                  if d not in on_gpu and d not in h2d_done)
-        embedded = est.in_bytes - sum(nbytes(d) for d in inputs)
-        h2d += estimate_h2d_seconds(max(embedded, 0), profile)
-        d2h_out = estimate_d2h_seconds(est.out_bytes, profile) if k in static_host else 0.0
+        d2h_in = h2d = 0.0
+        input_bytes = 0
+        for d in inputs:
+            n = nbytes(d)
+            input_bytes += n
+            if d in on_gpu:
+                if d not in d2h_done:
+                    d2h_in += d2h_s(n)
+            elif d not in h2d_done:
+                h2d += h2d_s(n)
+        h2d += h2d_s(max(est.in_bytes - input_bytes, 0))  # chunks embedded in the task
+        d2h_out = d2h_s(est.out_bytes) if k in static_host else 0.0
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
-        label = _describe_decision(est, specs.get(k))
-        working_set = est.in_bytes + 2 * est.out_bytes
-        lanes_note = f" / {lanes} threads" if lanes > 1 else ""
-        if not est.gpu_capable:
-            place, reason = CPU, f"{label}: {est.why_cpu}"
-        elif device is not None and working_set > device_memory_bytes:
+        too_big = device is not None and _working_set(est) > device_memory_bytes
+        if not est.gpu_capable or too_big:
             place = CPU
-            reason = (f"{label}: needs {format_bytes(working_set)} on the device, more than the "
-                      f"{format_bytes(device_memory_bytes)} allowed")
+        elif min_speedup == 0 or cpu_total >= min_speedup * gpu_total:
+            place = GPU
         else:
-            speedup = cpu_total / gpu_total if gpu_total > 0 else math.inf
-            place = GPU if (min_speedup == 0 or speedup >= min_speedup) else CPU
-            parts = [f"GPU {format_seconds(est.gpu_s)}"]
-            parts += [f"H2D {format_seconds(h2d)}"] if h2d else []
-            parts += [f"D2H {format_seconds(d2h_out)}"] if d2h_out else []
-            cpu_part = f"CPU {format_seconds(est.cpu_s)}{lanes_note}"
-            cpu_part += f" + D2H {format_seconds(d2h_in)}" if d2h_in else ""
-            cmp = ">=" if place == GPU else "<"
-            reason = (f"{label}: {' + '.join(parts)} vs {cpu_part} "
-                      f"({speedup:.3g}x {cmp} {min_speedup:g})")
+            place = CPU
         if place == GPU:
-            on_gpu.add(k)
             h2d_done.update(d for d in inputs if d not in on_gpu)
+            on_gpu.add(k)
             if d2h_out:
                 d2h_done.add(k)
             chosen = gpu_total
@@ -493,22 +577,10 @@ def plan_graph(
             chosen = cpu_total
         totals["all_cpu"] += cpu_s
         totals["as_chosen"] += chosen
-        spec = specs.get(k)
         decisions[k] = Decision(
-            key=k,
-            prefix=key_split(k),
-            op=est.op,
-            detail=est.detail,
-            shape=spec.shape if spec is not None else None,
-            dtype=str(spec.dtype) if spec is not None else None,
-            bytes=est.in_bytes + est.out_bytes,
-            flops=est.flops,
-            cpu_s=cpu_s,
-            gpu_s=est.gpu_s if est.gpu_capable else None,
-            h2d_s=h2d if est.gpu_capable else 0.0,
-            d2h_s=d2h_out if est.gpu_capable else 0.0,
-            device=place,
-            reason=reason,
+            k, place, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,
+            min_speedup=min_speedup,
+            memory_limit=device_memory_bytes if est.gpu_capable and too_big else None,
         )
 
     # Final: a GPU result goes back to the host when an output or a CPU-placed consumer needs it.

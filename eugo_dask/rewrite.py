@@ -17,6 +17,7 @@ resource (``eugo.resource``) so a distributed scheduler can pin them; key prefix
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -55,16 +56,20 @@ def _alphabetic_words(name: str) -> list[str]:
     return words
 
 
+@functools.lru_cache(maxsize=4096)
+def _prefixed_name(name: str, prefix: str) -> str:
+    return "-".join([prefix, *_alphabetic_words(key_split(name))]) + "-" + name
+
+
 def prefixed_key(key: Any, prefix: str) -> Any:
     """``("chunk_sum-abc", 0, 1)`` -> ``("eugo-gpu-chunk-sum-chunk_sum-abc", 0, 1)``.
 
     The original name is kept whole (keys stay unique) after a copy of its task prefix in
     alphabetic words, so the dashboard's prefix (``key_split``) reads ``eugo-gpu-chunk-sum``.
     """
-    name = str(key[0] if isinstance(key, tuple) else key)
-    words = [prefix, *_alphabetic_words(key_split(name))]
-    new = "-".join(words) + "-" + name
-    return (new, *key[1:]) if isinstance(key, tuple) else new
+    if isinstance(key, tuple):
+        return (_prefixed_name(str(key[0]), prefix), *key[1:])
+    return _prefixed_name(str(key), prefix)
 
 
 class ResourceAnnotation:
@@ -139,6 +144,14 @@ def split_mixed_tasks(dsk: Mapping[Any, GraphNode]) -> dict[Any, GraphNode]:
     return dsk if out is None else out
 
 
+def _substituted(arg: Any, subs: dict) -> Any:
+    if type(arg) is TaskRef:
+        return TaskRef(subs[arg.key]) if arg.key in subs else arg
+    if isinstance(arg, GraphNode):
+        return arg.substitute(subs)
+    return arg
+
+
 def rewrite_graph(
     dsk: Mapping[Any, GraphNode], plan: Plan, *, device: str, resource: str
 ) -> HighLevelGraph:
@@ -154,6 +167,7 @@ def rewrite_graph(
 
     annotated: set = set()
     h2d: dict[Any, Any] = {}
+    inner_on_device: dict[int, dict] = {}
 
     def device_input(dep: Any) -> Any:
         source = resolve(dep)
@@ -168,13 +182,17 @@ def rewrite_graph(
     for key in plan.gpu_keys:
         node = dsk[key]
         assert type(node) is Task, node
-        moved = node.substitute({d: device_input(d) for d in node.dependencies})
-        args = moved.args
+        subs = {d: device_input(d) for d in node.dependencies}
+        args = tuple(_substituted(a, subs) for a in node.args)
+        kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()}
         if node.func is _execute_subgraph:
-            args = (sources_on_device(args[0], is_inner_source, device), *args[1:])
+            inner = args[0]  # shared by every chunk of a blockwise layer: rewrite it once
+            if id(inner) not in inner_on_device:
+                inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
+            args = (inner_on_device[id(inner)], *args[1:])
         device_key = prefixed_key(key, GPU_PREFIX)
         out[device_key] = Task(
-            device_key, DeviceCall(node.func, device, key_split(key)), *args, **moved.kwargs
+            device_key, DeviceCall(node.func, device, key_split(key)), *args, **kwargs
         )
         annotated.add(device_key)
         if plan.needs_host(key):

@@ -1,0 +1,98 @@
+"""Config defaults, their schema twin, and clear errors for bad values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import dask
+import dask.array as da
+import jsonschema
+import numpy as np
+import pytest
+import yaml
+
+import eugo_dask
+from eugo_dask.config import _load_yaml, read_settings, schema
+
+
+def _keys(tree, prefix=""):
+    out = set()
+    for k, v in tree.items():
+        out.add(prefix + k)
+        if isinstance(v, dict):
+            out |= _keys(v, prefix + k + ".")
+    return out
+
+
+def _schema_keys(node, prefix=""):
+    out = set()
+    for k, v in node.get("properties", {}).items():
+        out.add(prefix + k)
+        out |= _schema_keys(v, prefix + k + ".")
+    return out
+
+
+def test_defaults_and_schema_in_sync():
+    defaults = _load_yaml("eugo.yaml")
+    assert _keys(defaults) == _schema_keys(schema())
+    jsonschema.validate(defaults, schema())
+
+
+def test_defaults_registered():
+    assert dask.config.get("eugo.device") == "auto"
+    assert dask.config.get("eugo.min-speedup") == 2.0
+    assert dask.config.get("eugo.resource") == "GPU"
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("eugo.device", "gpu", r"eugo.device must be one of \['auto', 'cupy', 'emulated', 'none'\]; got 'gpu'"),
+        ("eugo.min-speedup", -1, r"eugo.min-speedup must be a number >= 0; got -1"),
+        ("eugo.min-speedup", "fast", r"eugo.min-speedup must be a number >= 0; got 'fast'"),
+        ("eugo.device-memory-fraction", 0, r"eugo.device-memory-fraction must be a number > 0 and <= 1; got 0"),
+        ("eugo.device-memory-fraction", 1.5, r"eugo.device-memory-fraction must be a number > 0 and <= 1"),
+        ("eugo.resource", "", r"eugo.resource must be a non-empty worker resource name"),
+        ("eugo.emulated.memory-limit", "lots", r"eugo.emulated.memory-limit must be a byte count"),
+    ],
+)
+def test_bad_settings_raise_clear_errors(key, value, match):
+    with dask.config.set({key: value}):
+        with pytest.raises(ValueError, match=match):
+            read_settings()
+
+
+def test_bad_setting_fails_compute_not_silently():
+    x = da.ones(10, chunks=5) + 1
+    with dask.config.set({"optimizations": [eugo_dask.eugo], "eugo.device": "gpu"}):
+        with pytest.raises(ValueError, match="eugo.device must be one of"):
+            x.compute(scheduler="sync")
+
+
+def test_environment_variables():
+    code = "import eugo_dask, dask; print(dask.config.get('eugo.min-speedup'), dask.config.get('eugo.device'))"
+    env = {**os.environ, "DASK_EUGO__MIN_SPEEDUP": "3.5", "DASK_EUGO__DEVICE": "emulated"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["3.5", "emulated"]
+
+
+def test_import_does_not_import_cupy():
+    code = "import sys, eugo_dask, dask.array as da; (da.ones(4) + 1).compute(); print('cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cupy_device_without_cupy_says_how_to_install():
+    pytest.importorskip("cupy", reason=None) if False else None
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with dask.config.set({"eugo.device": "cupy"}):
+            with pytest.raises(ImportError, match=r"pip install 'eugo-dask\[gpu\]'"):
+                read_settings().resolved()
+    else:  # pragma: no cover - machines with CuPy
+        pytest.skip("CuPy is installed here")

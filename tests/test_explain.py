@@ -1,0 +1,63 @@
+"""explain(): one record per task with numbers and a reason; table, JSON, what-if totals."""
+
+from __future__ import annotations
+
+import json
+
+import dask
+import dask.array as da
+import numpy as np
+
+import eugo_dask
+from eugo_dask import Decision, explain
+
+
+def collection():
+    a = da.random.default_rng(0).random((4000, 4000), chunks=2000, dtype="f4")
+    return (np.exp(a) @ a.T).sum()
+
+
+def test_records(h200_server):
+    plan = explain(collection())
+    records = list(plan)
+    assert len(records) == len(plan) > 0
+    assert all(isinstance(r, Decision) for r in records)
+    for r in records:
+        assert r.device in ("cpu", "gpu")
+        assert r.op and r.reason and r.key is not None
+        assert r.cpu_s > 0
+    matmul = [r for r in records if r.op == "matmul"]
+    assert matmul and matmul[0].flops > 0 and matmul[0].dtype == "float32"
+    assert matmul[0].shape is not None
+    assert plan[matmul[0].key] is matmul[0]
+
+
+def test_table_grouped_by_prefix(h200_server):
+    plan = explain(collection())
+    text = str(plan)
+    lines = text.splitlines()
+    assert lines[0].startswith("eugo plan:") and "profile h200" in lines[0]
+    for prefix in {r.prefix for r in plan}:
+        assert sum(line.startswith(prefix[:28] + " ") for line in lines) == 1
+    assert lines[-1].startswith("what-if task-seconds: all-CPU")
+
+
+def test_json_and_totals(h200_server):
+    plan = explain(collection())
+    data = json.loads(plan.to_json())
+    assert len(data["tasks"]) == len(plan)
+    assert set(data["totals_s"]) == {"all_cpu", "all_gpu", "as_chosen"}
+    assert data["tasks"][0].keys() >= {"key", "op", "device", "reason", "cpu_s", "gpu_s", "h2d_s", "d2h_s"}
+    with dask.config.set({"eugo.min-speedup": 0}):
+        everything = explain(collection())
+    assert everything.totals["as_chosen"] == everything.totals["all_gpu"]
+
+
+def test_explain_overrides_and_dry_run_without_device():
+    # no GPU here: with the default device (auto) nothing would change, and the plan says so
+    plan = explain(collection(), profile={"base": "h200", "cpu": "server-x86"})
+    assert plan.device is None
+    assert "the graph would run unchanged" in str(plan)
+    assert plan.gpu_keys  # ... but shows what an H200 would take
+    assert not explain(collection(), profile={"base": "h200", "cpu": "server-x86"},
+                       min_speedup=1e9).gpu_keys
