@@ -62,6 +62,12 @@ def _has_eugo_task(node: Any) -> bool:
     return False
 
 
+def _may_be_ours(key: Any) -> bool:
+    # eugo's keys (and names Dask's fusion makes from them) carry these words
+    name = key[0] if type(key) is tuple else key
+    return isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name)
+
+
 def _device_memory_bytes(settings: Settings, device: str, profile_memory: float) -> float:
     limit = profile_memory
     if device == "emulated":
@@ -114,7 +120,10 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
     if chunk_info is not None:
         chunks = chunk_info.merge(chunks)
     graph = _task_spec_dict(dsk)
-    rewritten = {k for k, v in graph.items() if _has_eugo_task(v)}
+    if any(_may_be_ours(k) for k in graph):
+        rewritten = {k for k, v in graph.items() if _has_eugo_task(v)}
+    else:
+        rewritten = set()
     if rewritten:
         # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
         # placement, restore the annotations Dask's fusion dropped.

@@ -390,17 +390,20 @@ class TaskDescriber:
 
     def __init__(self, chunks: ChunkInfo, profile: Profile) -> None:
         self.chunks, self.profile = chunks, profile
-        self._structures: dict[int, _Structure] = {}
+        self._structures: dict[tuple, _Structure] = {}
         self._estimates: dict[tuple, Estimate] = {}
         self._reduced: dict[tuple, ArraySpec | None] = {}
 
     def _structure(self, node: Task, n_inputs: int) -> _Structure:
-        if node.func is not _execute_subgraph:
-            return _Structure(node, n_inputs)
-        # the graph keeps every inner dict alive while we plan, so ids are not reused
-        cached = self._structures.get(id(node.args[0]))
+        # Chunks of one layer share their function (or fused inner graph): describe it once.
+        # The graph keeps these objects alive while we plan, so ids are not reused.
+        if node.func is _execute_subgraph:
+            cache_key: tuple = (id(node.args[0]),)
+        else:
+            cache_key = (id(node.func), n_inputs)
+        cached = self._structures.get(cache_key)
         if cached is None:
-            cached = self._structures[id(node.args[0])] = _Structure(node, n_inputs)
+            cached = self._structures[cache_key] = _Structure(node, n_inputs)
         return cached
 
     def describe(
@@ -413,7 +416,10 @@ class TaskDescriber:
         embedded = list(structure.embedded)
         known = [s for s in input_specs if s is not None]
         if node.func is _execute_subgraph:
-            out = chunks.spec(node.args[1]) or chunks.spec(key)
+            # blockwise fusion keeps the output layer's name in the key; linear fusion renames
+            # the key and keeps the original as the inner output key
+            out = chunks.spec(node.args[1]) if type(node.args[1]) is tuple else None
+            out = out or chunks.spec(key)
             if out is not None:
                 # a chunk created inside a GPU task (ones, arange, random) is made on the host
                 # and copied: price it like an embedded chunk of the result's size
@@ -441,21 +447,27 @@ class TaskDescriber:
         return estimate, out
 
 
-def _toposort(dsk: Mapping[Any, GraphNode], deps: Mapping[Any, Iterable[Any]]) -> list[Any]:
-    waiting = {k: sum(1 for d in deps[k] if d in dsk) for k in dsk}
+def _toposort(dsk: Mapping[Any, GraphNode]) -> list[Any]:
+    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm)."""
+    waiting: dict[Any, int] = {}
     dependents: dict[Any, list[Any]] = defaultdict(list)
-    for k, ds in deps.items():
-        for d in ds:
+    ready = []
+    for k, node in dsk.items():
+        n = 0
+        for d in node.dependencies:
             if d in dsk:
                 dependents[d].append(k)
-    ready = [k for k, n in waiting.items() if n == 0]
+                n += 1
+        waiting[k] = n
+        if not n:
+            ready.append(k)
     order = []
     while ready:
         k = ready.pop()
         order.append(k)
-        for dep in dependents[k]:
+        for dep in dependents.get(k, ()):
             waiting[dep] -= 1
-            if waiting[dep] == 0:
+            if not waiting[dep]:
                 ready.append(dep)
     if len(order) != len(dsk):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
@@ -490,8 +502,7 @@ def plan_graph(
             k, seen = aliases[k], seen + 1
         return k
 
-    deps = {k: v.dependencies for k, v in dsk.items()}
-    order = _toposort(dsk, deps)
+    order = _toposort(dsk)
     width = Counter(k[0] if isinstance(k, tuple) else k for k, v in dsk.items() if type(v) is Task)
     threads = profile.cpu.threads
 
