@@ -358,6 +358,13 @@ def _reduced_spec(node: Task, source: ArraySpec | None, out: ArraySpec | None) -
     return ArraySpec(shape, out.dtype if out is not None else source.dtype)
 
 
+def _is_combine_step(key: Any) -> bool:
+    """Whether ``key`` belongs to the combine/aggregate layers of a Dask reduction, whose chunk
+    annotations are right (unlike the chunk step's, which repeat the input's chunks)."""
+    name = key[0] if type(key) is tuple else key
+    return isinstance(name, str) and ("-aggregate-" in name or "-partial-" in name)
+
+
 class _Structure:
     """What a task's function(s) are, independent of its chunk: shared by every chunk of a
     blockwise-fused layer (they share one inner graph)."""
@@ -428,7 +435,7 @@ class TaskDescriber:
             out = chunks.spec(key)
             if out is None and ops[0].name == "getitem" and ops[0].family == MOVEMENT:
                 out = _getitem_shape(node, known[0] if len(input_specs) == 1 and known else None)
-        if structure.reduction:
+        if structure.reduction and not _is_combine_step(node.args[1] if node.func is _execute_subgraph else key):
             # Dask annotates a reduction's chunk step with its input's chunks
             source = out or max(known + embedded, key=lambda s: s.size, default=None)
             reduced_key = (id(structure.out_node), source, out)

@@ -397,12 +397,14 @@ def measure_local_cpu() -> dict[str, Any]:
 
     from eugo_dask.cost_model import UFUNC_WEIGHTS
 
-    n = 1 << 21
+    big = np.ones(1 << 23)  # 64 MB: past the caches, as Dask chunks are
+    big_out = np.empty_like(big)
+    add_s = _best_seconds(lambda: np.add(big, 1.0, out=big_out), repeat=3)
+    bandwidth = 2 * big.nbytes / add_s  # read + write traffic
+    del big, big_out
+    n = 1 << 20
     x32 = np.random.default_rng(0).random(n, dtype=np.float32)
     x64 = x32.astype(np.float64)
-    out64 = np.empty_like(x64)
-    add_s = _best_seconds(lambda: np.add(x64, 1.0, out=out64))
-    bandwidth = 2 * x64.nbytes / add_s  # read + write traffic
     flops = {}
     for dtype, x in (("float32", x32), ("float64", x64)):
         out = np.empty_like(x)
