@@ -297,44 +297,25 @@ def _rates(data: Mapping[str, float]) -> Rates:
     )
 
 
-def _cpu_from_dict(data: Mapping[str, Any]) -> CPUProfile:
-    return CPUProfile(
-        name=data["name"],
-        source=data.get("source"),
-        threads=int(data["threads"]),
-        memory_bandwidth_bytes_per_s=float(data["memory_bandwidth_bytes_per_s"]),
-        flops_per_s=_rates(data["flops_per_s"]),
-        matmul_flops_per_s=_rates(data["matmul_flops_per_s"]),
-        fft_flops_per_s=_rates(data["fft_flops_per_s"]),
-        task_overhead_s=float(data["task_overhead_s"]),
-    )
+_CONVERTERS = {"str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates}
+
+
+def _section(cls: type, data: Mapping[str, Any], fields: Mapping[str, str]) -> Any:
+    """Build one profile section from its validated dict; the field table is the schema."""
+    return cls(**{
+        field: _CONVERTERS[kind.rstrip("?")](data[field])
+        for field, kind in fields.items()
+        if field in data
+    })
 
 
 def _build(data: Mapping[str, Any], cpu: Mapping[str, Any]) -> Profile:
-    g, link = data["gpu"], data["link"]
     return Profile(
         name=str(data.get("name", "custom")),
         source=str(data.get("source", "user")),
-        gpu=GPUProfile(
-            name=g["name"],
-            count=int(g["count"]),
-            memory_bytes=float(g["memory_bytes"]),
-            memory_bandwidth_bytes_per_s=float(g["memory_bandwidth_bytes_per_s"]),
-            flops_per_s=_rates(g["flops_per_s"]),
-            matmul_flops_per_s=_rates(g["matmul_flops_per_s"]),
-            call_overhead_s=float(g["call_overhead_s"]),
-            kernel_launch_s=float(g["kernel_launch_s"]),
-            fft_plan_s=float(g["fft_plan_s"]),
-        ),
-        link=LinkProfile(
-            name=link["name"],
-            h2d_bytes_per_s=float(link["h2d_bytes_per_s"]),
-            d2h_bytes_per_s=float(link["d2h_bytes_per_s"]),
-            latency_s=float(link["latency_s"]),
-            pinned_h2d_bytes_per_s=link.get("pinned_h2d_bytes_per_s"),
-            pinned_d2h_bytes_per_s=link.get("pinned_d2h_bytes_per_s"),
-        ),
-        cpu=_cpu_from_dict(cpu),
+        gpu=_section(GPUProfile, data["gpu"], _GPU_FIELDS),
+        link=_section(LinkProfile, data["link"], _LINK_FIELDS),
+        cpu=_section(CPUProfile, cpu, _CPU_FIELDS),
     )
 
 
