@@ -22,15 +22,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import dask
-from dask._task_spec import GraphNode, Task, _execute_subgraph, convert_legacy_graph
+from dask._task_spec import GraphNode, convert_legacy_graph
 from dask.array.optimization import optimize as dask_array_optimize
 from dask.utils import ensure_dict
 
 from eugo_dask.config import Settings, read_settings, resolve_profile
 from eugo_dask.planner import ChunkInfo, Plan, plan_graph
 from eugo_dask.profile import load_profile
-from eugo_dask.rewrite import annotated_graph, rewrite_graph, split_mixed_tasks
-from eugo_dask.runtime import is_eugo_callable
+from eugo_dask.rewrite import (
+    annotated_graph,
+    rewrite_graph,
+    roles_of_rewritten,
+    split_mixed_tasks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +54,6 @@ def _task_spec_dict(dsk: Any) -> dict[Any, GraphNode]:
     if all(isinstance(v, GraphNode) for v in graph.values()):
         return graph
     return convert_legacy_graph(graph)
-
-
-def _has_eugo_task(node: Any) -> bool:
-    if type(node) is not Task:
-        return False
-    if is_eugo_callable(node.func):
-        return True
-    if node.func is _execute_subgraph:
-        return any(_has_eugo_task(inner) for inner in node.args[0].values())
-    return False
 
 
 def _may_be_ours(key: Any) -> bool:
@@ -121,14 +115,10 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         chunks = chunk_info.merge(chunks)
     graph = _task_spec_dict(dsk)
     if any(_may_be_ours(k) for k in graph):
-        rewritten = {k for k, v in graph.items() if _has_eugo_task(v)}
-    else:
-        rewritten = set()
-    if rewritten:
         # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
         # placement, restore the annotations Dask's fusion dropped.
-        return annotated_graph(graph, frozenset(rewritten), settings.resource)
-    graph = split_mixed_tasks(graph)
+        return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
+    graph = split_mixed_tasks(graph, chunks)
     plan = make_plan(graph, keys, chunks, settings)
     if not plan.gpu_keys:
         return dsk
@@ -258,7 +248,7 @@ def explain(collection: Any, **settings: Any) -> Plan:
     graph = collection.__dask_graph__()
     keys = collection.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
-    optimized = split_mixed_tasks(_task_spec_dict(dask_array_optimize(graph, keys)))
+    optimized = split_mixed_tasks(_task_spec_dict(dask_array_optimize(graph, keys)), chunks)
     plan = make_plan(optimized, keys, chunks, current)
     all_gpu = make_plan(optimized, keys, chunks, Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]

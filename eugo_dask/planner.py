@@ -78,6 +78,23 @@ class ChunkInfo:
     def merge(self, other: ChunkInfo) -> ChunkInfo:
         return ChunkInfo({**self._layers, **other._layers})
 
+    def block_of(self, name: str, index: tuple[slice, ...]) -> tuple[int, ...] | None:
+        """Block coordinates of the chunk of layer ``name`` that ``index`` selects exactly."""
+        info = self._layers.get(name)
+        if info is None or len(index) != len(info[0]):
+            return None
+        block = []
+        for dim, sl in zip(info[0], index):
+            start, offset = sl.start or 0, 0
+            for i, size in enumerate(dim):
+                if offset == start and (sl.stop is None or sl.stop == offset + size) and sl.step in (None, 1):
+                    block.append(i)
+                    break
+                offset += size
+            else:
+                return None
+        return tuple(block)
+
     def spec(self, key: Any) -> ArraySpec | None:
         if type(key) is tuple and key:
             info = self._layers.get(key[0])

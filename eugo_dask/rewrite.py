@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef, _execute_subgraph
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from dask.base import tokenize
 from dask.utils import key_split
 
 from eugo_dask.cost_model import (
@@ -36,7 +37,7 @@ from eugo_dask.cost_model import (
     classify_func,
 )
 from eugo_dask.devices import device_dtype_ok
-from eugo_dask.planner import Plan
+from eugo_dask.planner import ChunkInfo, Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 
 #: Key prefixes of the tasks eugo adds: device compute, and host->device copies.
@@ -72,28 +73,86 @@ def prefixed_key(key: Any, prefix: str) -> Any:
     return _prefixed_name(str(key), prefix)
 
 
-class ResourceAnnotation:
-    """Per-key ``resources`` annotation: ``{resource: 1}`` for GPU keys, None for the rest
-    (the scheduler ignores None)."""
+#: Roles of tasks in a rewritten graph, carried to the scheduler in the ``eugo`` annotation.
+GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE, HOST_ROLE = "gpu", "todevice", "tohost", "host"
+#: Roles that need the GPU resource (device work and the copies on either side of it).
+DEVICE_ROLES = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
 
-    def __init__(self, keys: frozenset, resource: str) -> None:
-        self.keys = keys
+
+class TaskRoles:
+    """What each task of a rewritten graph is, for the distributed scheduler.
+
+    Two per-key annotations come from it: ``resources`` (``{resource: 1}`` for device work and
+    transfers, so only GPU workers run them) and ``eugo`` (``{"role": ..., "cpu_s": ...,
+    "est_s": ...}``): ``host`` marks aggregation, ``finalize`` and I/O, which belong on CPU
+    workers. Keys with no role get None, which the scheduler ignores.
+    """
+
+    def __init__(self, roles: dict[Any, tuple], resource: str) -> None:
+        self.roles = roles  # key -> (role, estimated CPU s, estimated chosen s)
         self.resource = resource
 
-    def __call__(self, key: Any) -> dict[str, int] | None:
-        return {self.resource: 1} if key in self.keys else None
+    def resources(self, key: Any) -> dict[str, int] | None:
+        role = self.roles.get(key)
+        return {self.resource: 1} if role is not None and role[0] in DEVICE_ROLES else None
+
+    def eugo(self, key: Any) -> dict[str, Any] | None:
+        role = self.roles.get(key)
+        if role is None:
+            return None
+        return {"role": role[0], "cpu_s": role[1], "est_s": role[2]}
+
+    def annotations(self) -> dict[str, Any]:
+        return {"resources": _Lookup(self, "resources"), "eugo": _Lookup(self, "eugo")}
+
+
+class _Lookup:
+    """A picklable per-key annotation callable: ``roles.<method>(key)``."""
+
+    def __init__(self, roles: TaskRoles, method: str) -> None:
+        self.roles, self.method = roles, method
+
+    def __call__(self, key: Any) -> Any:
+        return getattr(self.roles, self.method)(key)
 
     def __reduce__(self):
-        return (ResourceAnnotation, (self.keys, self.resource))
+        return (_Lookup, (self.roles, self.method))
 
 
-def annotated_graph(dsk: Mapping[Any, GraphNode], gpu_keys: frozenset, resource: str) -> HighLevelGraph:
-    """One-layer HighLevelGraph whose GPU keys request ``resource``."""
+def annotated_graph(dsk: Mapping[Any, GraphNode], roles: TaskRoles) -> HighLevelGraph:
+    """One-layer HighLevelGraph annotated with ``roles``."""
     name = f"eugo-{uuid.uuid4().hex}"
-    layer = MaterializedLayer(
-        dict(dsk), annotations={"resources": ResourceAnnotation(gpu_keys, resource)}
-    )
+    layer = MaterializedLayer(dict(dsk), annotations=roles.annotations())
     return HighLevelGraph({name: layer}, {name: set()})
+
+
+def roles_of_rewritten(dsk: Mapping[Any, GraphNode], resource: str) -> TaskRoles:
+    """Roles read back from a graph rewritten earlier (its annotations lost to Dask's fusion)."""
+    roles: dict[Any, tuple] = {}
+    for key, node in dsk.items():
+        role = _rewritten_role(node)
+        if role is not None:
+            roles[key] = (role, None, None)
+    return TaskRoles(roles, resource)
+
+
+def _rewritten_role(node: GraphNode) -> str | None:
+    if type(node) is not Task:
+        return None
+    if isinstance(node.func, DeviceCall):
+        return GPU_ROLE
+    if node.func is to_device:
+        return TODEVICE_ROLE
+    if node.func is to_host:
+        return TOHOST_ROLE
+    if node.func is _execute_subgraph:
+        inner = {_rewritten_role(n) for n in node.args[0].values()} - {None}
+        if inner:  # fused by Dask after the first pass: device work inside
+            return GPU_ROLE
+    families = _families(node)
+    if families & _HOST_FAMILIES and not families & GPU_FAMILIES:
+        return HOST_ROLE
+    return None
 
 
 def is_inner_source(node: GraphNode) -> bool:
@@ -106,6 +165,8 @@ def is_inner_source(node: GraphNode) -> bool:
 
 
 _CPU_ONLY = frozenset({AGGREGATE, IO, UNKNOWN})
+#: Families that belong on CPU workers in a cluster.
+_HOST_FAMILIES = frozenset({AGGREGATE, IO})
 
 
 def _families(node: GraphNode) -> set[str]:
@@ -121,27 +182,86 @@ def _is_linear_fusion(node: Task) -> bool:
     return not any(isinstance(k, str) and k.startswith("__dask_blockwise__") for k in inkeys)
 
 
-def split_mixed_tasks(dsk: Mapping[Any, GraphNode]) -> dict[Any, GraphNode]:
-    """Undo Dask's linear fusion where it joined device work with CPU-only work (an I/O read
-    before it, ``finalize`` or an aggregate after it), so each part can be placed on its own.
+def split_mixed_tasks(dsk: Mapping[Any, GraphNode], chunks: ChunkInfo) -> dict[Any, GraphNode]:
+    """Undo Dask's fusion where it joined device work with CPU-only work, so each part can be
+    placed on its own.
 
-    The fused chain's nodes become top-level tasks again under their original keys; the fused
-    key becomes an alias of the chain's last node.
+    - Linear fusion (an I/O read before device work, ``finalize`` or an aggregate after it): the
+      chain's nodes become top-level tasks again under their original keys; the fused key becomes
+      an alias of the chain's last node.
+    - Blockwise fusion of a read into its consumers (``from_array`` of a zarr/h5py-like array
+      into a matmul): each read becomes a top-level task again, under the block's original key
+      where it can be recovered, so a block read by several consumers is read once.
     """
     out: dict[Any, GraphNode] | None = None
+    families_of: dict[int, set[str]] = {}
+    templates: dict[int, tuple] = {}
     for key, node in dsk.items():
-        if not (type(node) is Task and node.func is _execute_subgraph and _is_linear_fusion(node)):
+        if not (type(node) is Task and node.func is _execute_subgraph):
             continue
-        families = _families(node)
+        inner = node.args[0]
+        families = families_of.get(id(inner))
+        if families is None:
+            families = families_of[id(inner)] = _families(node)
         if not (families & GPU_FAMILIES and families & _CPU_ONLY):
             continue
-        if out is None:
-            out = dict(dsk)
-        inner, top = node.args[0], node.args[1]
-        out.update(inner)
-        if key != top:
-            out[key] = Alias(key, top)
+        if _is_linear_fusion(node):
+            if out is None:
+                out = dict(dsk)
+            top = node.args[1]
+            out.update(inner)
+            if key != top:
+                out[key] = Alias(key, top)
+        elif IO in families:
+            if id(inner) not in templates:
+                templates[id(inner)] = _read_template(node)
+            if templates[id(inner)] is not None:
+                if out is None:
+                    out = dict(dsk)
+                out.update(_split_reads(key, node, templates[id(inner)], chunks))
     return dsk if out is None else out
+
+
+def _read_template(node: Task) -> tuple[list, dict] | None:
+    """The reads inside a blockwise-fused task (inner I/O nodes fed only by the task's own
+    arguments) and its inner graph without them."""
+    inner, inkeys = node.args[0], set(node.args[2])
+    reads = [k for k, n in inner.items()
+             if type(n) is Task and classify_func(n.func)[0] == IO and n.dependencies <= inkeys]
+    if not reads:
+        return None
+    return reads, {k: n for k, n in inner.items() if k not in reads}
+
+
+def _split_reads(key: Any, node: Task, template: tuple, chunks: ChunkInfo) -> dict[Any, GraphNode]:
+    reads, remaining = template
+    inner, outkey, inkeys, deps = node.args[0], node.args[1], node.args[2], node.args[3:]
+    bound = {p: (d.key if type(d) is TaskRef else d) for p, d in zip(inkeys, deps)}
+    used = set().union(*(n.dependencies for n in remaining.values()))
+    kept = [(p, d) for p, d in zip(inkeys, deps) if p in used]  # drop what only reads used
+    new_inkeys, new_deps = [p for p, _ in kept], [d for _, d in kept]
+    tasks: dict[Any, GraphNode] = {}
+    for inner_key in reads:
+        read = inner[inner_key].substitute(bound)
+        read_key = _read_key(inner_key, read, chunks)
+        tasks[read_key] = Task(read_key, read.func, *read.args, **read.kwargs)
+        new_inkeys.append(inner_key)
+        new_deps.append(TaskRef(read_key))
+    tasks[key] = Task(key, _execute_subgraph, remaining, outkey, tuple(new_inkeys), *new_deps)
+    return tasks
+
+
+def _read_key(inner_key: str, read: Task, chunks: ChunkInfo) -> Any:
+    """The block's own key (``("array-abc", i, j)``) when the read's slices line up with the
+    array's chunks; otherwise a key made from the read's token."""
+    name = str(inner_key).split("_.")[0]
+    index = next((a.value for a in read.args if isinstance(a, DataNode)
+                  and isinstance(a.value, tuple) and all(isinstance(i, slice) for i in a.value)),
+                 None)
+    block = chunks.block_of(name, index) if index is not None else None
+    if block is not None:
+        return (name, *block)
+    return (name, tokenize(read.func, read.args, read.kwargs))
 
 
 def _substituted(arg: Any, subs: dict) -> Any:
@@ -165,7 +285,7 @@ def rewrite_graph(
             k = aliases[k]
         return k
 
-    annotated: set = set()
+    roles: dict[Any, tuple] = {}
     h2d: dict[Any, Any] = {}
     inner_on_device: dict[int, dict] = {}
 
@@ -176,10 +296,15 @@ def rewrite_graph(
         if source not in h2d:
             h2d[source] = key = prefixed_key(source, H2D_PREFIX)
             out[key] = Task(key, to_device, TaskRef(source), device)
-            annotated.add(key)
+            roles[key] = (TODEVICE_ROLE, None, None)
         return h2d[source]
 
-    for key in plan.gpu_keys:
+    for decision in plan:
+        key = decision.key
+        if decision.device != GPU_ROLE:
+            if decision.op in _HOST_FAMILIES:
+                roles[key] = (HOST_ROLE, decision.cpu_s, decision.cpu_s)
+            continue
         node = dsk[key]
         assert type(node) is Task, node
         subs = {d: device_input(d) for d in node.dependencies}
@@ -194,10 +319,10 @@ def rewrite_graph(
         out[device_key] = Task(
             device_key, DeviceCall(node.func, device, key_split(key)), *args, **kwargs
         )
-        annotated.add(device_key)
+        roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         if plan.needs_host(key):
             out[key] = Task(key, to_host, TaskRef(device_key), device)
-            annotated.add(key)
+            roles[key] = (TOHOST_ROLE, None, None)
         else:
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
@@ -205,4 +330,4 @@ def rewrite_graph(
         source = resolve(target)
         if source in gpu and not plan.needs_host(source):
             del out[key]
-    return annotated_graph(out, frozenset(annotated), resource)
+    return annotated_graph(out, TaskRoles(roles, resource))

@@ -35,6 +35,34 @@ _task_logger = logging.getLogger(__name__ + ".tasks")
 _state = threading.local()
 _logged_prefixes: set[str] = set()
 
+#: Topic of the events GPU tasks send to the scheduler (fallbacks), read by the plugin.
+EVENT_TOPIC = "eugo"
+
+
+def usable_device(name: str) -> Device | None:
+    """The device a task planned for ``name`` may use in this process, or None.
+
+    The process's own ``eugo.device`` decides: a worker set to ``none`` never uses a device; the
+    emulated device runs only where ``eugo.device`` is ``emulated`` (a CPU worker does not
+    pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device.
+    """
+    import dask
+
+    local = dask.config.get("eugo.device", "auto")
+    if local == "none" or (name == "emulated") != (local == "emulated"):
+        return None
+    return get_device(name)
+
+
+def _report_fallback(prefix: str, reason: str) -> None:
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except (ImportError, ValueError):  # not inside a distributed worker
+        return
+    worker.log_event(EVENT_TOPIC, {"fallback": reason, "prefix": prefix})
+
 
 def _cpu_path_active() -> bool:
     return getattr(_state, "cpu_path", False)
@@ -90,7 +118,7 @@ def to_device(value: Any, device_name: str) -> Any:
     Where the device has no room, the value stays on the host and its consumers run their CPU
     path.
     """
-    device = get_device(device_name)
+    device = usable_device(device_name)
     if device is None or _cpu_path_active():
         return value
     try:
@@ -103,7 +131,7 @@ def to_device(value: Any, device_name: str) -> Any:
 
 def to_host(value: Any, device_name: str) -> Any:
     """Device->host transfer task: every device array in ``value`` comes back as NumPy."""
-    device = get_device(device_name)
+    device = get_device(device_name)  # a device array here must come back, whatever the setting
     if device is None:
         return value
     return _map_arrays(value, _device_to_host(device))
@@ -121,7 +149,7 @@ class OnDevice:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         value = self.func(*args, **kwargs)
-        device = get_device(self.device_name)
+        device = usable_device(self.device_name)
         if device is None or _cpu_path_active():
             return value
         # no room on the device raises here, and the enclosing DeviceCall falls back
@@ -171,7 +199,7 @@ class DeviceCall:
         return f"DeviceCall({funcname(self.func)}, {self.device_name!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device = get_device(self.device_name)
+        device = usable_device(self.device_name)
         if device is None or _cpu_path_active():
             return self._run_cpu_path(None, args, kwargs)
         try:
@@ -186,6 +214,7 @@ class DeviceCall:
         reason = "device error" if device.is_device_error(exc) else "unsupported on device"
         reason = f"{reason}: {type(exc).__name__}"
         _stats.add_fallback(reason)
+        _report_fallback(self.prefix, reason)
         if self.prefix not in _logged_prefixes:
             _logged_prefixes.add(self.prefix)
             logger.warning(

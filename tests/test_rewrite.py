@@ -11,7 +11,6 @@ from dask.utils import key_split
 
 import eugo_dask
 from eugo_dask import device_stats, eugo
-from eugo_dask.rewrite import ResourceAnnotation
 
 A = np.random.default_rng(0).random((300, 200))
 B = np.random.default_rng(1).random((200, 240))
@@ -67,20 +66,31 @@ def test_matmul_add_sum_placement(emulated):
         assert key_split(source) == "eugo-gpu-chunk-sum-aggregate-sum"
 
 
-def test_gpu_tasks_carry_resource_annotations(emulated):
+def test_gpu_tasks_carry_resource_and_role_annotations(emulated):
     x = matmul_add_sum()
     with dask.config.set({"eugo.resource": "CUDA"}):
         graph = x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__())
     (layer,) = graph.layers.values()
-    annotation = layer.annotations["resources"]
-    assert isinstance(annotation, ResourceAnnotation)
+    resources, roles = layer.annotations["resources"], layer.annotations["eugo"]
+    by_role: dict = {}
     for key in layer:
-        expected = {"CUDA": 1} if key_split(key).startswith("eugo-") else None
-        if key_split(key).startswith("eugo-"):
-            assert annotation(key) == expected
-    gpu_keys = [k for k in layer if key_split(k).startswith(("eugo-gpu", "eugo-todevice"))]
-    assert gpu_keys and all(annotation(k) == {"CUDA": 1} for k in gpu_keys)
-    assert annotation(next(k for k in layer if "aggregate" in key_split(k))) is None
+        role = roles(key)
+        by_role.setdefault(role and role["role"], []).append(key)
+        if role is not None and role["role"] in ("gpu", "todevice", "tohost"):
+            assert resources(key) == {"CUDA": 1}
+        else:
+            assert resources(key) is None
+    assert all(key_split(k).startswith("eugo-gpu") for k in by_role["gpu"])
+    assert all(key_split(k).startswith("eugo-todevice") for k in by_role["todevice"])
+    assert len(by_role["tohost"]) == 3 * 2
+    # aggregation stays on CPU workers in a cluster
+    assert {key_split(k) for k in by_role["host"]} == {"sum-partial", "sum-aggregate"}
+    gpu_role = roles(by_role["gpu"][0])
+    assert gpu_role["cpu_s"] > 0 and gpu_role["est_s"] > 0
+    # the annotations survive pickling (they travel to the scheduler)
+    import pickle
+
+    assert pickle.loads(pickle.dumps(roles))(by_role["gpu"][0]) == gpu_role
 
 
 def test_idempotent_through_dask_optimize(emulated):

@@ -7,13 +7,6 @@ settings at submission must travel with it. A scheduler in a separate process (s
 
 from __future__ import annotations
 
-import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import dask
 import dask.array as da
@@ -25,6 +18,7 @@ from distributed import Client, LocalCluster
 import eugo_dask
 from eugo_dask import device_stats, eugo, reset_device_stats
 
+from .cluster import process_cluster
 from .conftest import H200_SERVER
 
 A = np.random.default_rng(3).random((120, 80))
@@ -82,62 +76,11 @@ def test_local_cluster_in_process():
         assert device_stats()["tasks"] > 0
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def separate_process_cluster(tmp_path: Path):
-    """``dask scheduler`` and two ``dask worker`` processes (one advertising GPU=1)."""
-    dask_cli = str(Path(sys.executable).with_name("dask"))
-    port = _free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    env = {**os.environ, "DASK_DISTRIBUTED__WORKER__DAEMON": "False"}
-    env.pop("DASK_OPTIMIZATIONS", None)
-    procs = []
-    logs = []
-    try:
-        def start(name, *args):
-            log = open(tmp_path / f"{name}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen([dask_cli, *args], env=env, stdout=log, stderr=log))
-
-        start("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(port),
-              "--dashboard-address", ":0", "--no-show")
-        start("gpu-worker", "worker", address, "--nthreads", "2", "--resources", "GPU=1",
-              "--name", "gpu-worker", "--no-dashboard", "--no-nanny")
-        start("cpu-worker", "worker", address, "--nthreads", "2", "--name", "cpu-worker",
-              "--no-dashboard", "--no-nanny")
-        client = None
-        deadline = time.monotonic() + 60
-        while client is None:
-            try:
-                client = Client(address, timeout=5)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        with client:
-            client.wait_for_workers(2, timeout=60)
-            yield client
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_separate_process_scheduler_uses_client_settings(tmp_path):
-    with separate_process_cluster(tmp_path) as client:
+    workers = {"gpu-worker": {"gpu": True, "nthreads": 2}, "cpu-worker": {"nthreads": 2}}
+    with process_cluster(tmp_path, workers=workers, preload_plugin=False) as (_, client):
         def scheduler_config(dask_scheduler=None):
             import dask as _dask
 

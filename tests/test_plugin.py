@@ -1,0 +1,157 @@
+"""The scheduler plugin on real clusters: GPU work on the GPU worker, aggregation and I/O on CPU
+workers, re-routing without a GPU worker, fallbacks counted, and no device array ever sent to a
+CPU worker. Clusters here are separate processes started with the ``dask`` CLI."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+from distributed import Client, LocalCluster
+
+import eugo_dask
+from eugo_dask.plugin import EugoSchedulerPlugin
+
+from .cluster import process_cluster
+from .conftest import H200_SERVER
+from .test_equivalence import _LazyArray
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+SETTINGS = {
+    "optimizations": [eugo_dask.eugo],
+    "eugo.device": "emulated",
+    "eugo.min-speedup": 0,
+    "eugo.profile": H200_SERVER,
+}
+rng = np.random.default_rng(11)
+A = rng.random((240, 160))
+B = rng.random((160, 200))
+EXPECTED = (np.tanh(A @ B) * 2).sum(axis=0)
+POISON = str(Path(__file__).with_name("poison_device.py"))
+HETEROGENEOUS = {
+    "gpu": {"gpu": True, "nthreads": 2},
+    "cpu-1": {"extra": ["--preload", POISON]},
+    "cpu-2": {"extra": ["--preload", POISON]},
+}
+
+
+def pipeline():
+    """Read (I/O) -> matmul -> elementwise -> reduction."""
+    a = da.from_array(_LazyArray(A), chunks=(80, 80))
+    b = da.from_array(B, chunks=(80, 100))
+    return (np.tanh(a @ b) * 2).sum(axis=0)
+
+
+def plugin_summary(client):
+    return client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+
+
+def placements(client):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].placements))
+
+
+def worker_stats(client):
+    stats = client.run(eugo_dask.device_stats)
+    names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+    return {names[a]: s for a, s in stats.items()}
+
+
+def received_device_arrays(client):
+    return client.run(lambda dask_worker: getattr(dask_worker, "eugo_device_arrays_received", []))
+
+
+def test_heterogeneous_cluster_places_by_role(tmp_path):
+    with process_cluster(tmp_path, workers=HETEROGENEOUS) as (cluster, client):
+        assert "eugo" in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
+        with dask.config.set(SETTINGS):
+            result = pipeline().compute()
+        assert_eq(result, EXPECTED)
+        assert type(result) is np.ndarray
+        runs = placements(client)
+        by_role: dict[str, set] = {}
+        for key, role, worker in runs:
+            by_role.setdefault(role, set()).add(worker)
+        # every GPU-planned task and transfer ran on the GPU worker
+        for role in ("gpu", "todevice", "tohost"):
+            assert by_role[role] == {"gpu"}, (role, by_role)
+        # every aggregate, finalize and I/O task on a CPU worker
+        host = [(k, w) for k, role, w in runs if role == "host"]
+        prefixes = {str(k[0] if isinstance(k, tuple) else k).split("-")[0] for k, _ in host}
+        assert {"finalize", "array"} <= prefixes, prefixes  # finalize and the reads
+        assert any("aggregate" in str(k) for k, _ in host)
+        assert {w for _, w in host} <= {"cpu-1", "cpu-2"}
+        # device work only where the device is
+        stats = worker_stats(client)
+        assert stats["gpu"]["tasks"] > 0 and stats["gpu"]["h2d_count"] > 0
+        for name in ("cpu-1", "cpu-2"):
+            assert stats[name]["tasks"] == 0 and stats[name]["h2d_count"] == 0
+        # no CPU worker was ever sent a device array
+        assert all(v == [] for v in received_device_arrays(client).values())
+        summary = plugin_summary(client)
+        assert summary["tasks"]["gpu"] and summary["bytes_h2d"] >= A.nbytes + B.nbytes
+        assert summary["estimated_saved_s"] != 0 and summary["errors"] == 0
+
+
+def test_no_gpu_worker_runs_cpu_path_with_one_warning(tmp_path):
+    workers = {"cpu-1": {}, "cpu-2": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        start = time.monotonic()
+        with dask.config.set(SETTINGS):
+            result = client.compute(pipeline()).result(timeout=60)
+        assert time.monotonic() - start < 60
+        assert_eq(result, EXPECTED)
+        summary = plugin_summary(client)
+        assert len(summary["warnings"]) == 1
+        assert "no worker advertises the resource 'GPU'" in summary["warnings"][0]
+        assert all(s["tasks"] == 0 for s in worker_stats(client).values())
+
+
+def test_gpu_worker_killed_mid_computation(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    a = da.from_array(np.random.default_rng(5).random((2000, 2000)), chunks=(100, 2000))
+    x = np.exp(np.sin(a) ** 2).sum(axis=1)
+    expected = np.exp(np.sin(a.compute()) ** 2).sum(axis=1)
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            future = client.compute(x)
+        deadline = time.monotonic() + 60
+        while not plugin_summary(client)["tasks"].get("gpu"):
+            assert time.monotonic() < deadline, cluster.logs()
+            time.sleep(0.01)
+        assert not future.done()
+        cluster.kill("gpu")
+        assert_eq(future.result(timeout=120), expected)
+        summary = plugin_summary(client)
+        assert summary["tasks"]["gpu"] and summary["tasks"].get("cpu")  # some of each
+        assert any("last worker" in w for w in summary["warnings"])
+
+
+def test_out_of_memory_in_gpu_task_falls_back_and_is_counted(tmp_path):
+    workers = {"gpu": {"gpu": True, "env": {"DASK_EUGO__EMULATED__MEMORY_LIMIT": "1000"}},
+               "cpu": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):  # planned for a 16 GiB device ...
+            result = pipeline().compute()  # ... run on one with 1000 bytes
+        assert_eq(result, EXPECTED)
+        stats = worker_stats(client)["gpu"]
+        assert stats["fallbacks"] > 0 and stats["tasks"] == 0
+        reasons = plugin_summary(client)["fallbacks"]
+        assert reasons == {"device error: EmulatedOutOfMemoryError": stats["fallbacks"]}
+
+
+def test_register_plugin_on_local_cluster_reroutes_without_gpu_workers():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(EugoSchedulerPlugin())
+        plugin = cluster.scheduler.plugins["eugo"]
+        assert isinstance(plugin, EugoSchedulerPlugin)
+        with dask.config.set(SETTINGS):
+            assert_eq(pipeline().compute(), EXPECTED)
+        assert len(plugin.warnings) == 1
