@@ -30,9 +30,11 @@ class ProcessCluster:
     log_dir: Path
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    _logs: list = field(default_factory=list)
 
     def _start(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = open(self.log_dir / f"{name}.log", "w")
+        self._logs.append(log)
         self.procs[name] = subprocess.Popen([DASK_CLI, *args], env={**self.env, **env},
                                             stdout=log, stderr=subprocess.STDOUT)
 
@@ -63,6 +65,8 @@ class ProcessCluster:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for log in self._logs:
+            log.close()
 
 
 @contextlib.contextmanager
