@@ -75,6 +75,18 @@ UFUNC_WEIGHTS: dict[str, float] = {
 }
 DEFAULT_UFUNC_WEIGHT = 10.0
 
+#: Ufunc -> the representative ufunc calibration times for its class.
+UFUNC_CLASS: dict[str, str] = {
+    **{name: "add" for name, weight in UFUNC_WEIGHTS.items() if weight == 1.0},
+    **dict.fromkeys("divide true_divide reciprocal floor_divide remainder mod fmod divmod hypot "
+                    "deg2rad rad2deg radians degrees ldexp frexp modf".split(), "divide"),
+    **dict.fromkeys("sqrt cbrt".split(), "sqrt"),
+    **dict.fromkeys("exp exp2 expm1 log log2 log10 log1p sinh cosh tanh arcsinh arccosh "
+                    "arctanh logaddexp logaddexp2".split(), "exp"),
+    **dict.fromkeys("sin cos tan arcsin arccos arctan arctan2".split(), "sin"),
+    **dict.fromkeys("power float_power".split(), "power"),
+}
+
 _OPERATORS = {
     operator.add: "add",
     operator.sub: "subtract",
@@ -278,13 +290,19 @@ def estimate_op(
             weight *= 4
         flops = n * weight
         traffic = (op.n_inputs + 1) * n * item
-        cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s, flops / cpu.flops_per_s.for_dtype(dtype))
+        measured = cpu.elementwise_seconds(op.name, dtype, n)
+        if measured is not None:  # calibrated on this CPU for the ufunc's class
+            cpu_s = n * measured * (4 if dtype.kind == "c" else 1) * (op.n_inputs + 1) / 3
+        else:
+            cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s,
+                        flops / cpu.flops_per_s.for_dtype(dtype))
         gpu_s = max(traffic / _gpu_bw(profile),
                     flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FLOPS_EFFICIENCY))
         return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
     if op.family == MATMUL:
         flops, size = _matmul_flops(inputs or [out])
-        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + CPU_MATMUL_HALF_N)
+        half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
+        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
         gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * GPU_MATMUL_EFFICIENCY
                     * size / (size + GPU_MATMUL_HALF_N))
         return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
@@ -292,14 +310,16 @@ def estimate_op(
         points = max(out.size, n, 2)
         flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
         traffic = 2 * points * max(out.dtype.itemsize, item)
-        cpu_s = flops / cpu.fft_flops_per_s.for_dtype(dtype)
+        per_flop = cpu.fft_seconds_per_flop(dtype, points)
+        cpu_s = flops * per_flop if per_flop is not None else flops / cpu.fft_flops_per_s.for_dtype(dtype)
         gpu_s = max(flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FFT_FLOPS_EFFICIENCY),
                     3 * traffic / _gpu_bw(profile))
         return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
     if op.family == REDUCTION:
         traffic = n * item
         flops = float(n)
-        cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s, flops / cpu.flops_per_s.for_dtype(dtype))
+        read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
+        cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(dtype))
         return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
     if op.family == MOVEMENT:
         if op.name in ("getitem", "transpose", "identity", "_identity_cast", "squeeze",
@@ -357,7 +377,9 @@ def estimate_task(
     for op in ops:
         f, c, g = estimate_op(op, n, dtype, inputs, out, profile)
         flops, cpu_s, gpu_s = flops + f, cpu_s + c, gpu_s + g
+    # Dask's per-task dispatch is paid wherever the task runs
     cpu_s += profile.cpu.task_overhead_s
+    gpu_s += profile.cpu.task_overhead_s
     return Estimate(
         op=main.family,
         detail=">".join(o.name for o in ops[:4]) + (f">…({len(ops)} ops)" if len(ops) > 4 else ""),

@@ -57,7 +57,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     idempotent = True
 
     def __init__(self, *, resource: str | None = None) -> None:
-        self.resource = resource
+        self.resource = resource if resource is not None else dask.config.get("eugo.resource", "GPU")
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
         self.host_keys: set = set()  # aggregation / finalize / I/O not finished yet
@@ -75,8 +75,6 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        if self.resource is None:
-            self.resource = dask.config.get("eugo.resource", "GPU")
 
     def _guard(self, what: str, fn, *args: Any) -> None:
         try:

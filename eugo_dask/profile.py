@@ -69,6 +69,10 @@ _CPU_FIELDS = {
     "matmul_flops_per_s": "rates",
     "fft_flops_per_s": "rates",
     "task_overhead_s": "non-negative",
+    "reduction_bandwidth_bytes_per_s": "positive?",
+    "matmul_half_n": "positive?",
+    "elementwise_s_per_element": "class-rates?",
+    "fft_s_per_flop": "class-rates?",
 }
 _TOP_FIELDS = {"name", "source", "description", "base", "gpu", "link", "cpu"}
 
@@ -127,6 +131,43 @@ class CPUProfile:
     fft_flops_per_s: Rates
     task_overhead_s: float
     source: str | None = None
+    #: one thread reading (a reduction); memory_bandwidth_bytes_per_s where not measured
+    reduction_bandwidth_bytes_per_s: float | None = None
+    #: matrix order at which BLAS reaches half its peak rate (measured by calibrate)
+    matmul_half_n: float | None = None
+    #: measured seconds per element of a binary call, by dtype and ufunc class (calibrate)
+    elementwise_s_per_element: Mapping[str, Mapping[str, float]] | None = None
+
+    #: measured seconds per FFT flop (5 n log2 n) by dtype and size (calibrate)
+    fft_s_per_flop: Mapping[str, Mapping[str, Any]] | None = None
+
+    def elementwise_seconds(self, ufunc: str, dtype: np.dtype, n: int) -> float | None:
+        """Calibrated seconds per element for ``ufunc``'s class at ``dtype`` and ``n`` elements,
+        or None where not measured."""
+        from eugo_dask.cost_model import UFUNC_CLASS
+
+        return _lookup(self.elementwise_s_per_element, dtype, UFUNC_CLASS.get(ufunc, ""), n)
+
+    def fft_seconds_per_flop(self, dtype: np.dtype, n: int) -> float | None:
+        """Calibrated seconds per FFT flop at ``dtype`` and ``n`` points, or None."""
+        return _lookup(self.fft_s_per_flop, dtype, "fft", n)
+
+
+def _lookup(table: Mapping[str, Mapping[str, Any]] | None, dtype: np.dtype, name: str,
+            n: int) -> float | None:
+    """A calibrated table's value, interpolated in log n between measured sizes (caches make
+    small chunks cheaper per element, fresh memory makes big ones dearer)."""
+    if not table:
+        return None
+    dtype = np.dtype(dtype)
+    precision = dtype.itemsize // (2 if dtype.kind == "c" else 1)
+    points = (table.get("float64" if precision >= 8 else "float32") or {}).get(name)
+    if not points:
+        return None
+    if isinstance(points, (int, float)):
+        return float(points)
+    sizes, values = zip(*sorted(points))
+    return float(np.interp(np.log(max(n, 1)), np.log(sizes), values))
 
 
 @dataclass(frozen=True)
@@ -181,6 +222,26 @@ def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
         if kind == "str":
             if not isinstance(value, str):
                 raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
+        elif kind == "class-rates":
+            if not isinstance(value, Mapping) or not all(
+                isinstance(v, Mapping) for v in value.values()
+            ):
+                raise ProfileError(
+                    f"{_CONFIG_KEY}: {where} must map dtypes to {{ufunc class: seconds}}; got {value!r}"
+                )
+            for dtype, classes in value.items():
+                for name, points in classes.items():
+                    if isinstance(points, list):  # [[elements, seconds per element], ...]
+                        for i, point in enumerate(points):
+                            if not (isinstance(point, (list, tuple)) and len(point) == 2):
+                                raise ProfileError(
+                                    f"{_CONFIG_KEY}: {where}.{dtype}.{name}[{i}] must be "
+                                    f"[elements, seconds per element]; got {point!r}"
+                                )
+                            _check_number(f"{where}.{dtype}.{name}[{i}]", point[0], "positive")
+                            _check_number(f"{where}.{dtype}.{name}[{i}]", point[1], "positive")
+                    else:
+                        _check_number(f"{where}.{dtype}.{name}", points, "positive")
         elif kind == "rates":
             if not isinstance(value, Mapping):
                 raise ProfileError(
@@ -297,7 +358,11 @@ def _rates(data: Mapping[str, float]) -> Rates:
     )
 
 
-_CONVERTERS = {"str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates}
+_CONVERTERS = {"str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates,
+               "class-rates": lambda table: {
+                   d: {name: ([tuple(p) for p in v] if isinstance(v, list) else v)
+                       for name, v in c.items()}
+                   for d, c in table.items()}}
 
 
 def _section(cls: type, data: Mapping[str, Any], fields: Mapping[str, str]) -> Any:

@@ -36,3 +36,11 @@ def test_pass_overhead_benchmark():
 def test_enabled_overhead_benchmark():
     out = run("benchmarks/enabled_overhead.py", "--quick")
     assert "geometric mean on/off:" in out
+
+
+@pytest.mark.slow
+def test_plugin_throughput_benchmark():
+    out = run("benchmarks/plugin_throughput.py", "--quick")
+    tasks = int(out.split("tasks per graph: ")[1].split()[0])
+    assert tasks >= 20_000
+    assert "ratio" in out

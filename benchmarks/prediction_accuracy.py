@@ -1,0 +1,79 @@
+"""How well a calibrated profile predicts CPU time on chunk sizes calibration did not use.
+
+Calibrates (``--quick``) or loads a profile (``--profile PATH``), then for each op family times
+real NumPy calls on sizes outside the calibration's lists and compares them with the cost model's
+prediction for the same op. Prints every case and the median absolute percentage error per family
+(goal <= 25%).
+
+    python benchmarks/prediction_accuracy.py                 # quick calibration first
+    python benchmarks/prediction_accuracy.py --profile p.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import numpy as np
+
+from eugo_dask.calibrate import FULL_SIZES, QUICK_SIZES, best_seconds, calibrate
+from eugo_dask.cost_model import ArraySpec, Op, estimate_task
+from eugo_dask.profile import load_profile
+
+RNG = np.random.default_rng(1)
+
+
+def cases():
+    """(family, label, op, inputs, out, fn) on sizes calibration never measured."""
+    for dtype in ("float32", "float64"):
+        for n in (96, 192, 384, 768):
+            a = RNG.random((n, n)).astype(dtype)
+            spec = ArraySpec((n, n), np.dtype(dtype))
+            yield "matmul", f"matmul {n}² {dtype}", Op("matmul", "matmul", 2), [spec, spec], spec, lambda a=a: a @ a
+    for name, nin in (("add", 2), ("multiply", 2), ("divide", 2), ("sqrt", 1), ("exp", 1), ("sin", 1), ("power", 2)):
+        ufunc = getattr(np, name)
+        for n in (300_000, 3_000_000):
+            x = RNG.random(n) + 0.5
+            spec = ArraySpec((n,), x.dtype)
+            args = (x, x) if nin == 2 else (x,)
+            yield "elementwise", f"{name} {n:,}", Op("elementwise", name, nin), [spec] * nin, spec, \
+                lambda ufunc=ufunc, args=args: ufunc(*args)
+    for n in (3 << 11, 1 << 13, 1 << 15, 1 << 17, 1 << 19):
+        z = (RNG.random(n) + 1j * RNG.random(n)).astype(np.complex128)
+        spec = ArraySpec((n,), z.dtype)
+        yield "fft", f"fft {n:,}", Op("fft", "fft"), [spec], spec, lambda z=z: np.fft.fft(z)
+    for n in (300_000, 3_000_000, 12_000_000):
+        x = RNG.random(n)
+        yield "reduction", f"sum {n:,}", Op("reduction", "sum"), [ArraySpec((n,), x.dtype)], \
+            ArraySpec((1,), x.dtype), lambda x=x: x.sum()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", help="a calibrated profile (default: calibrate --quick now)")
+    args = parser.parse_args()
+    if args.profile:
+        profile = load_profile(args.profile)
+    else:
+        profile = load_profile(calibrate(quick=True, progress=lambda m: print(f"  {m}", file=sys.stderr)))
+    used = {n for sizes in (QUICK_SIZES, FULL_SIZES) for ns in sizes.values() for n in ns}
+    errors: dict[str, list[float]] = {}
+    print(f"{'case':<26} {'measured':>10} {'predicted':>10} {'error':>8}")
+    for family, label, op, inputs, out, fn in cases():
+        size = out.size if family != "reduction" else inputs[0].size
+        assert (int(round(size ** 0.5)) if family == "matmul" else size) not in used, label
+        measured = best_seconds(fn, repeat=15)
+        estimate = estimate_task([op], inputs, out, profile)
+        predicted = estimate.cpu_s - profile.cpu.task_overhead_s  # a raw call, no Dask dispatch
+        error = abs(predicted - measured) / measured
+        errors.setdefault(family, []).append(error)
+        print(f"{label:<26} {measured * 1e3:>8.3f}ms {predicted * 1e3:>8.3f}ms {100 * error:>7.1f}%")
+    print()
+    print("median absolute percentage error per family (goal <= 25%):")
+    for family, errs in errors.items():
+        print(f"  {family:<12} {100 * statistics.median(errs):6.1f}%   (n={len(errs)})")
+
+
+if __name__ == "__main__":
+    main()

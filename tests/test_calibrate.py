@@ -1,0 +1,89 @@
+"""Calibration writes a profile the planner accepts; the CLI and Dask's CLI both reach it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+import yaml
+
+import eugo_dask
+from eugo_dask.calibrate import _fit_inverse, calibrate
+from eugo_dask.profile import load_profile, validate_profile_dict
+
+DASK_CLI = str(Path(sys.executable).with_name("dask"))
+EUGO_CLI = str(Path(sys.executable).with_name("eugo-dask"))
+
+
+@pytest.fixture(scope="module")
+def quick_profile():
+    messages = []
+    profile = calibrate(quick=True, progress=messages.append)
+    return profile, messages
+
+
+def test_quick_calibration_is_a_valid_profile(quick_profile):
+    profile, messages = quick_profile
+    validate_profile_dict(profile)  # raises on anything malformed
+    cpu = profile["cpu"]
+    assert cpu["threads"] >= 1 and cpu["task_overhead_s"] > 0
+    assert cpu["matmul_flops_per_s"]["float32"] > cpu["flops_per_s"]["float32"] / 100
+    assert set(cpu["elementwise_s_per_element"]["float64"]) == {"add", "divide", "sqrt", "exp", "sin", "power"}
+    # no CUDA device here: the GPU side comes from the preset and says so
+    assert "not measured" in profile["source"]
+    assert profile["gpu"]["name"].startswith("NVIDIA H200")
+    assert any("matmul" in m for m in messages) and messages[-1].startswith("done in")
+
+
+def test_calibrated_profile_prices_tasks(quick_profile, tmp_path):
+    profile, _ = quick_profile
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    loaded = load_profile(str(path))
+    assert loaded.cpu.elementwise_seconds("cos", np.float64, 10**6) > 0  # sin's class
+    assert loaded.cpu.elementwise_seconds("sin", np.float64, 10**6) > loaded.cpu.elementwise_seconds(
+        "add", np.float64, 10**6)
+    x = da.ones((2000, 2000), chunks=1000)
+    with dask.config.set({"eugo.device": "emulated", "eugo.profile": str(path)}):
+        plan = eugo_dask.explain(np.sin(x) @ x)
+    assert plan.profile_name == "h200-calibrated-cpu" and len(plan) > 0
+
+
+def test_fit_recovers_peak_and_half():
+    points = [(n, 100.0 * n / (n + 64)) for n in (32, 64, 128, 512, 2048)]
+    peak, half = _fit_inverse(points)
+    assert peak == pytest.approx(100.0, rel=1e-6) and half == pytest.approx(64, rel=1e-6)
+
+
+@pytest.mark.parametrize("cli", [[EUGO_CLI], [DASK_CLI, "eugo"]], ids=["eugo-dask", "dask-eugo"])
+def test_cli_calibrate_writes_profile(cli, tmp_path):
+    out = tmp_path / "profile.json"
+    result = subprocess.run([*cli, "calibrate", "--quick", "-o", str(out)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "cpu: matmul" in result.stderr  # progress
+    validate_profile_dict(json.loads(out.read_text()))
+    assert load_profile(str(out)).cpu.threads >= 1
+
+
+def test_cli_rejects_unknown_gpu_preset(tmp_path):
+    result = subprocess.run([EUGO_CLI, "calibrate", "--quick", "--gpu-preset", "h300", "-o",
+                             str(tmp_path / "p.yaml")], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "must be one of" in result.stderr and "h300" in result.stderr
+
+
+def test_cli_explain(tmp_path):
+    script = tmp_path / "pipeline.py"
+    script.write_text("import dask.array as da\nx = (da.ones((400, 400), chunks=200) @ da.ones((400, 400), chunks=200)).sum()\n")
+    result = subprocess.run([EUGO_CLI, "explain", f"{script}:x", "--json", "--profile", "h200"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["profile"] == "h200" and plan["tasks"]
