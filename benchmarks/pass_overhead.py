@@ -77,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small graphs (CI)")
     args = parser.parse_args()
-    sizes = [8, 16] if args.quick else [16, 24, 48, 64, 96]
+    sizes = [8, 16] if args.quick else [16, 24, 48, 64, 88]
     repeat = 2 if args.quick else 3
     settings = {"eugo.device": "emulated", "eugo.profile": {"base": "h200", "cpu": "server-x86"}}
     print(f"{'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} {'µs/task':>8} "

@@ -44,3 +44,33 @@ def test_plugin_throughput_benchmark():
     tasks = int(out.split("tasks per graph: ")[1].split()[0])
     assert tasks >= 20_000
     assert "ratio" in out
+
+
+def test_seed_table_quick(tmp_path):
+    png = tmp_path / "seed.png"
+    out = run("benchmarks/seed_table.py", "--quick", "--plot", str(png))
+    rows = [line for line in out.splitlines() if line.startswith(("Matmul", "Elementwise", "FFT", "Sum"))
+            and "  " in line]
+    assert len(rows) == 6
+    choices = [line.split()[5 if line.startswith(("Matmul", "FFT")) else 4] for line in rows]
+    assert "gpu" in out and "cpu" in out
+    from eugo_dask.devices import cupy_device_count
+
+    if not cupy_device_count():  # never invented: GPU columns say so
+        assert all(line.count("not measured") == 3 for line in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(choices) == 6
+
+
+def test_mixed_pipelines_quick():
+    out = run("benchmarks/mixed_pipelines.py", "--quick")
+    for name in ("(a) zarr", "(b) FFT", "(c) many small chunks"):
+        assert name in out
+
+
+@pytest.mark.slow
+def test_prediction_accuracy_runs():
+    out = run("benchmarks/prediction_accuracy.py")
+    assert "median absolute percentage error per family" in out
+    families = [line.split()[0] for line in out.splitlines()[-4:]]
+    assert families == ["matmul", "elementwise", "fft", "reduction"]

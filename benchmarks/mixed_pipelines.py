@@ -1,0 +1,96 @@
+"""Pipelines that mix work eugo offloads with work it keeps on the CPU, measured side by side:
+all-CPU, eugo (CuPy with a GPU, else the emulated device) and naive all-GPU (CuPy only).
+
+(a) a zarr store -> elementwise -> matmul -> reduction;
+(b) an FFT low-pass filter over a 2-D field;
+(c) many small chunks (where eugo should offload nothing and cost nothing).
+
+    python benchmarks/mixed_pipelines.py           # larger arrays
+    python benchmarks/mixed_pipelines.py --quick   # CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import dask.array as da
+import numpy as np
+from _common import NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has_gpu, naive_all_gpu
+
+import eugo_dask
+
+
+def zarr_pipeline(store: Path, n: int, chunk: int):
+    import zarr
+
+    z = zarr.open_array(str(store), mode="w", shape=(n, n), chunks=(chunk, chunk), dtype="f4")
+    z[:] = np.random.default_rng(0).random((n, n), dtype=np.float32)
+
+    def build(hook=lambda a: a):
+        a = hook(da.from_zarr(str(store)))
+        w = np.tanh(a * 2 - 1)
+        return (w @ w.T).mean(axis=0)
+
+    return build
+
+
+def fft_filter(n: int, chunk: int):
+    field = np.random.default_rng(1).random((n, n), dtype=np.float32)
+    k = np.fft.fftfreq(n)[:, None] ** 2 + np.fft.fftfreq(n)[None, :] ** 2
+    low_pass = (k < 0.01).astype(np.complex64)
+
+    def build(hook=lambda a: a):
+        x = hook(da.from_array(field, chunks=(chunk, n), name="field"))
+        spectrum = da.fft.fft2(x.rechunk((n, n)))
+        return da.fft.ifft2(spectrum * hook(da.from_array(low_pass, chunks=(n, n), name="lp"))).real
+
+    return build
+
+
+def small_chunks(n: int):
+    data = np.random.default_rng(2).random((n, n))
+
+    def build(hook=lambda a: a):
+        return (hook(da.from_array(data, chunks=32, name="small")) + 1).sum(axis=0)
+
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--profile", default="h200")
+    args = parser.parse_args()
+    scale = 1 if args.quick else 4
+    with tempfile.TemporaryDirectory() as tmp:
+        pipelines = {
+            "(a) zarr > elementwise > matmul > mean": zarr_pipeline(Path(tmp) / "a.zarr", 512 * scale, 256 * scale),
+            "(b) FFT low-pass filter": fft_filter(512 * scale, 128 * scale),
+            "(c) many small chunks": small_chunks(256 * scale),
+        }
+        device = "cupy" if has_gpu() else "emulated device"
+        print(f"eugo ran on: {device}; profile for its choices: {args.profile}")
+        print(f"{'pipeline':<40} {'tasks on GPU':>13} {'all-CPU':>10} {'eugo':>10} {'eugo/CPU':>9} "
+              f"{'naive all-GPU':>14}  copies to / from device")
+        for name, build in pipelines.items():
+            import dask
+
+            with dask.config.set({"eugo.profile": args.profile}):
+                plan = eugo_dask.explain(build(), device="emulated")
+            expected = compute_plain(build)
+            eugo_dask.reset_device_stats()
+            result = compute_eugo(build, args.profile)
+            np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+            stats = eugo_dask.device_stats()
+            cpu_s = best_of(lambda: compute_plain(build))
+            eugo_s = best_of(lambda: compute_eugo(build, args.profile))
+            naive = best_of(lambda: naive_all_gpu(build)) if has_gpu() else NOT_MEASURED
+            print(f"{name:<40} {len(plan.gpu_keys):>5} of {len(plan):<5} {fmt(cpu_s):>10} "
+                  f"{fmt(eugo_s):>10} {eugo_s / cpu_s:>9.2f} {fmt(naive):>14}  "
+                  f"{stats['h2d_bytes'] / 1e6:.1f} MB / {stats['d2h_bytes'] / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
