@@ -46,6 +46,8 @@ class Settings:
     resource: str
     device_memory_fraction: float
     emulated_memory_limit: int
+    learn: bool = False
+    history: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +90,12 @@ def read_settings() -> Settings:
             f"eugo.emulated.memory-limit must be a byte count or size like '16 GiB'; "
             f"got {memory_limit!r}"
         ) from None
+    learn = dask.config.get("eugo.learn", False)
+    if not isinstance(learn, bool):
+        raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
+    history = dask.config.get("eugo.history", None)
+    if history is not None and not isinstance(history, str):
+        raise ValueError(f"eugo.history must be a file path or null; got {history!r}")
     return Settings(
         device=device,
         profile=dask.config.get("eugo.profile"),
@@ -98,6 +106,8 @@ def read_settings() -> Settings:
             minimum=0, maximum=1, exclusive_minimum=True,
         ),
         emulated_memory_limit=memory_limit_bytes,
+        learn=learn,
+        history=history,
     )
 
 

@@ -248,6 +248,9 @@ class Estimate:
     cpu_parallel: bool
     gpu_capable: bool
     why_cpu: str | None
+    #: the profile's estimates, where observed durations (eugo.learn) replaced cpu_s / gpu_s
+    cpu_model_s: float | None = None
+    gpu_model_s: float | None = None
 
 
 def _gpu_bw(profile: Profile) -> float:

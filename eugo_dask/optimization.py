@@ -29,8 +29,11 @@ from dask.utils import ensure_dict
 from eugo_dask.config import Settings, read_settings, resolve_profile
 from eugo_dask.planner import ChunkInfo, Plan, plan_graph
 from eugo_dask.profile import load_profile
+from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.rewrite import (
+    GPU_PREFIX,
     annotated_graph,
+    prefixed_key,
     rewrite_graph,
     roles_of_rewritten,
     split_mixed_tasks,
@@ -84,7 +87,19 @@ def make_plan(
         device=device,
         device_memory_bytes=_device_memory_bytes(settings, settings.device,
                                                  profile.gpu.memory_bytes),
+        history=get_history(settings.history) if settings.learn else None,
     )
+
+
+def _expect_timings(plan: Plan, settings: Settings) -> None:
+    """With eugo.learn on: have the tasks of ``plan`` timed when they run."""
+    history = get_history(settings.history)
+    ensure_local_timing(history)
+    expect({
+        (prefixed_key(d.key, GPU_PREFIX) if d.device == "gpu" else d.key):
+            (d.op, d.device, d.bytes, history)
+        for d in plan
+    })
 
 
 def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: Any) -> Any:
@@ -120,6 +135,8 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
     graph = split_mixed_tasks(graph, chunks)
     plan = make_plan(graph, keys, chunks, settings)
+    if settings.learn:
+        _expect_timings(plan, settings)
     if not plan.gpu_keys:
         return dsk
     logger.debug("eugo: %d of %d tasks on the GPU", len(plan.gpu_keys), len(plan))

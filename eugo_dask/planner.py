@@ -155,6 +155,11 @@ class Decision:
         return self._estimate.gpu_s if self._estimate.gpu_capable else None
 
     @property
+    def measured(self) -> bool:
+        """Whether observed durations replaced the profile's estimates for this task."""
+        return self._estimate.cpu_model_s is not None or self._estimate.gpu_model_s is not None
+
+    @property
     def gpu_total_s(self) -> float:
         return self._estimate.gpu_s + self.h2d_s + self.d2h_s
 
@@ -176,12 +181,18 @@ class Decision:
         total = self.gpu_total_s
         speedup = (self.cpu_s + self._d2h_in_s) / total if total > 0 else math.inf
         cmp = ">=" if self.device == GPU else "<"
-        return f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} {self._min_speedup:g})"
+        text = f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} {self._min_speedup:g})"
+        if self.measured:
+            models = [f"{name} {format_seconds(model)}" for name, model in
+                      (("CPU", est.cpu_model_s), ("GPU", est.gpu_model_s)) if model is not None]
+            text += f"; measured, the profile predicted {', '.join(models)}"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         names = ("key", "prefix", "op", "detail", "shape", "dtype", "bytes", "flops", "cpu_s",
-                 "gpu_s", "h2d_s", "d2h_s", "device", "reason")
+                 "gpu_s", "h2d_s", "d2h_s", "device", "reason", "measured")
         out = {name: getattr(self, name) for name in names}
+        out["cpu_model_s"], out["gpu_model_s"] = self._estimate.cpu_model_s, self._estimate.gpu_model_s
         out["key"] = str(self.key)
         out["shape"] = list(self.shape) if self.shape is not None else None
         return out
@@ -408,12 +419,28 @@ class _Structure:
             self.reduction = family == REDUCTION and name not in CUMULATIVE
 
 
+def _learned(estimate: Estimate, history: Any) -> Estimate:
+    """``estimate`` with observed medians in place of the profile's numbers, where known."""
+    nbytes = estimate.in_bytes + estimate.out_bytes
+    cpu = history.estimate(estimate.op, CPU, nbytes)
+    gpu = history.estimate(estimate.op, GPU, nbytes) if estimate.gpu_capable else None
+    if cpu is None and gpu is None:
+        return estimate
+    return replace(
+        estimate,
+        cpu_s=cpu if cpu is not None else estimate.cpu_s,
+        gpu_s=gpu if gpu is not None else estimate.gpu_s,
+        cpu_model_s=estimate.cpu_s if cpu is not None else None,
+        gpu_model_s=estimate.gpu_s if gpu is not None else None,
+    )
+
+
 class TaskDescriber:
     """Estimates tasks and infers their output chunks, reusing work across the chunks of a
     layer (same functions, same shapes: same estimate)."""
 
-    def __init__(self, chunks: ChunkInfo, profile: Profile) -> None:
-        self.chunks, self.profile = chunks, profile
+    def __init__(self, chunks: ChunkInfo, profile: Profile, history: Any = None) -> None:
+        self.chunks, self.profile, self.history = chunks, profile, history
         self._structures: dict[tuple, _Structure] = {}
         self._estimates: dict[tuple, Estimate] = {}
         self._reduced: dict[tuple, ArraySpec | None] = {}
@@ -467,6 +494,8 @@ class TaskDescriber:
             if len(known) < len(input_specs) and estimate.gpu_capable:
                 estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
                                    why_cpu="an input chunk's size is unknown")
+            if self.history is not None:
+                estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate
         return estimate, out
 
@@ -507,6 +536,7 @@ def plan_graph(
     min_speedup: float,
     device: str | None,
     device_memory_bytes: float,
+    history: Any = None,
 ) -> Plan:
     """Place every task of ``dsk`` (task-spec nodes, after Dask's own optimization).
 
@@ -516,6 +546,9 @@ def plan_graph(
         The graph's output keys (nested lists allowed); they are always delivered as NumPy.
     device_memory_bytes
         A task whose inputs, result and temporaries exceed this never offloads.
+    history
+        A :class:`~eugo_dask.history.RuntimeHistory` whose observed durations replace the
+        profile's estimates where it has enough of them.
     """
     outputs = _flatten_keys(keys)
     aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
@@ -531,7 +564,7 @@ def plan_graph(
     threads = profile.cpu.threads
 
     # Pass 1: what each task is and costs, in dependency order (inputs' specs feed outputs').
-    describer = TaskDescriber(chunks, profile)
+    describer = TaskDescriber(chunks, profile, history)
     specs: dict[Any, ArraySpec | None] = {}
     estimates: dict[Any, Estimate] = {}
     for k in order:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from eugo_dask.history import observe, save_all
+from eugo_dask.history import pending as history_pending
 from eugo_dask.rewrite import DEVICE_ROLES, GPU_ROLE, HOST_ROLE, TODEVICE_ROLE, TOHOST_ROLE
 from eugo_dask.runtime import EVENT_TOPIC
 
@@ -187,6 +189,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "memory" and start == "processing":
             self._guard("transition", self._count, key, kwargs.get("worker"))
+            if key in history_pending:  # eugo.learn: the worker's own compute time
+                self._guard("transition", self._learn, key, kwargs.get("startstops") or ())
         elif finish == "forgotten":
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
@@ -215,6 +219,14 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self.saved_s += estimate[0] - estimate[1]
         elif role == HOST_ROLE:
             self.tasks_by_device[("cpu", prefix)] += 1
+
+    def _learn(self, key: Any, startstops: Any) -> None:
+        seconds = sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
+        if seconds > 0:
+            observe(key, seconds)
+
+    async def close(self) -> None:
+        save_all()
 
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == EVENT_TOPIC and isinstance(msg, dict) and "fallback" in msg:

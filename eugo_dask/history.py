@@ -1,0 +1,206 @@
+"""Learning from observed runtimes: measured task durations refine the cost model's estimates.
+
+With ``eugo.learn: true`` the pass remembers, for every task it planned, its op family, the
+device it chose and the bytes it touches. When the task has run — timed by a Dask callback on the
+local schedulers, or from the worker's report in the scheduler plugin — its duration is recorded
+per (op family, device, size bucket), in seconds per byte. Estimates use the median of those
+records once there are enough of them, and the plan shows predicted next to measured.
+
+Robust by construction (StarPU's history models were poisoned by 100 ms spikes on 190 us tasks
+and piled work onto 2 of 8 GPUs, starpu-runtime/starpu#50):
+
+- the first sample of each bucket is discarded (warm-up: imports, plan caches, allocation);
+- nothing overrides the profile before ``min_samples`` samples;
+- a sample more than ``spike_factor`` times the median absolute deviation above the median is
+  rejected (counted, not stored);
+- estimates are medians of the most recent ``max_samples`` samples.
+
+The history is saved as JSON (``eugo.history``, default ``~/.cache/eugo-dask/history-<machine>
+.json``) and read back by later runs on the same machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MIN_SAMPLES = 5
+SPIKE_FACTOR = 5.0
+MAX_SAMPLES = 64
+
+
+def size_bucket(nbytes: float) -> int:
+    """Sizes within a factor of two share a bucket."""
+    return int(math.log2(max(nbytes, 1)))
+
+
+class RuntimeHistory:
+    """Observed task durations per (op family, device, size bucket)."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, min_samples: int = MIN_SAMPLES,
+                 spike_factor: float = SPIKE_FACTOR, max_samples: int = MAX_SAMPLES) -> None:
+        self.path = Path(path) if path is not None else None
+        self.min_samples, self.spike_factor, self.max_samples = min_samples, spike_factor, max_samples
+        self._samples: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+        self._warmed: set[tuple[str, str, int]] = set()
+        self.rejected = 0
+        self._lock = threading.Lock()
+        self._dirty = 0
+        if self.path is not None and self.path.exists():
+            self.load()
+
+    def record(self, op: str, device: str, nbytes: float, seconds: float) -> bool:
+        """Record one observed duration; False where it was discarded (warm-up) or rejected."""
+        key = (op, device, size_bucket(nbytes))
+        per_byte = seconds / max(nbytes, 1)
+        with self._lock:
+            if key not in self._warmed:
+                self._warmed.add(key)
+                return False
+            samples = self._samples[key]
+            if len(samples) >= self.min_samples:
+                median = statistics.median(samples)
+                mad = statistics.median(abs(s - median) for s in samples)
+                if per_byte > median + self.spike_factor * max(mad, 0.05 * median):
+                    self.rejected += 1
+                    return False
+            samples.append(per_byte)
+            del samples[: -self.max_samples]
+            self._dirty += 1
+        return True
+
+    def estimate(self, op: str, device: str, nbytes: float) -> float | None:
+        """Median observed seconds for a task of this kind and size, or None without enough
+        samples."""
+        samples = self._samples.get((op, device, size_bucket(nbytes)))
+        if not samples or len(samples) < self.min_samples:
+            return None
+        return statistics.median(samples) * max(nbytes, 1)
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._samples.values())
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "buckets": [{"op": op, "device": dev, "bucket": b, "s_per_byte": list(s)}
+                        for (op, dev, b), s in self._samples.items()],
+        }
+
+    def save(self) -> None:
+        if self.path is None or not self._dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.to_dict()))
+            tmp.replace(self.path)
+            self._dirty = 0
+        except OSError as e:  # a read-only home must not break a computation
+            logger.warning("eugo: cannot save runtime history to %s: %s", self.path, e)
+
+    def load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+            for b in data["buckets"]:
+                key = (b["op"], b["device"], int(b["bucket"]))
+                self._samples[key] = [float(x) for x in b["s_per_byte"]][-self.max_samples:]
+                self._warmed.add(key)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("eugo: ignoring unreadable runtime history %s: %s", self.path, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide history and the tasks waiting to be timed
+# ---------------------------------------------------------------------------------------------
+_histories: dict[str, RuntimeHistory] = {}
+#: key -> (op, device, nbytes, history) of planned tasks not yet observed
+pending: dict[Any, tuple[str, str, float, RuntimeHistory]] = {}
+_PENDING_LIMIT = 2_000_000
+
+
+def default_history_path() -> Path:
+    from eugo_dask.profile import _cpu_cache_path
+
+    return _cpu_cache_path().with_name(_cpu_cache_path().name.replace("cpu-", "history-"))
+
+
+def get_history(path: str | None = None) -> RuntimeHistory:
+    """The process's history for ``path`` (``eugo.history``; None: the per-machine default)."""
+    resolved = str(path or default_history_path())
+    history = _histories.get(resolved)
+    if history is None:
+        history = _histories[resolved] = RuntimeHistory(resolved)
+    return history
+
+
+def save_all() -> None:
+    """Save every history this process has used."""
+    for history in _histories.values():
+        history.save()
+
+
+def expect(tasks: dict[Any, tuple[str, str, float, RuntimeHistory]]) -> None:
+    """Remember planned tasks so their observed durations can be attributed."""
+    if len(pending) + len(tasks) > _PENDING_LIMIT:
+        pending.clear()  # stale entries of graphs that never ran
+    pending.update(tasks)
+
+
+def observe(key: Any, seconds: float) -> None:
+    """A planned task ran for ``seconds``: record it in its plan's history."""
+    info = pending.pop(key, None)
+    if info is not None:
+        op, device, nbytes, history = info
+        history.record(op, device, nbytes, seconds)
+        if history._dirty >= 1000:
+            history.save()
+
+
+class LearningCallback:
+    """Times tasks on Dask's local schedulers (threads, sync, processes) for the history."""
+
+    def __init__(self, history: RuntimeHistory) -> None:
+        from dask.callbacks import Callback
+
+        self.history = history
+        self._start: dict[Any, float] = {}
+        outer = self
+
+        class _Timer(Callback):
+            def _pretask(self, key, dsk, state):
+                if key in pending:
+                    outer._start[key] = time.perf_counter()
+
+            def _posttask(self, key, result, dsk, state, worker_id):
+                start = outer._start.pop(key, None)
+                if start is not None:
+                    observe(key, time.perf_counter() - start)
+
+            def _finish(self, dsk, state, errored):
+                outer.history.save()
+
+        self.callback = _Timer()
+
+
+_callbacks: dict[str, LearningCallback] = {}
+
+
+def ensure_local_timing(history: RuntimeHistory) -> None:
+    """Register (once per history) the callback that times local-scheduler tasks."""
+    key = str(history.path)
+    if key not in _callbacks:
+        _callbacks[key] = LearningCallback(history)
+        _callbacks[key].callback.register()
