@@ -62,7 +62,8 @@ def _task_spec_dict(dsk: Any) -> dict[Any, GraphNode]:
 def _may_be_ours(key: Any) -> bool:
     # eugo's keys (and names Dask's fusion makes from them) carry these words
     name = key[0] if type(key) is tuple else key
-    return isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name)
+    return isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name
+                                      or "eugo-tohost" in name)
 
 
 def _device_memory_bytes(settings: Settings, device: str, profile_memory: float) -> float:

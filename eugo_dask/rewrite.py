@@ -6,13 +6,14 @@ For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
   :class:`~eugo_dask.runtime.DeviceCall` on device inputs and leaves its result on the device;
 - each input produced on the host gets one ``("eugo-todevice-<prefix>-name", ...)`` copy task, shared by all of
   its GPU consumers;
-- ``K`` itself becomes the device->host copy where an output or a CPU consumer needs NumPy, and
-  disappears otherwise (its GPU consumers read the device copy).
+- where an output or a CPU consumer needs NumPy, ``("eugo-tohost-<prefix>-name", i, j)`` copies the
+  result back and ``K`` becomes an alias of it; otherwise ``K`` disappears (its GPU consumers read
+  the device copy).
 
 Output keys, culling and persist keep working because every key a CPU consumer or the caller can
 see still exists and still holds NumPy. GPU and transfer tasks are annotated with the worker
 resource (``eugo.resource``) so a distributed scheduler can pin them; key prefixes start with
-``eugo-gpu``/``eugo-todevice`` so the dashboard tells them apart.
+``eugo-gpu``/``eugo-todevice``/``eugo-tohost`` so the dashboard tells them apart.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from eugo_dask.devices import device_dtype_ok
 from eugo_dask.planner import ChunkInfo, Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 
-#: Key prefixes of the tasks eugo adds: device compute, and host->device copies.
-GPU_PREFIX, H2D_PREFIX = "eugo-gpu", "eugo-todevice"
+#: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
+GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
 
 
 def _alphabetic_words(name: str) -> list[str]:
@@ -74,7 +75,7 @@ def prefixed_key(key: Any, prefix: str) -> Any:
 
 
 #: Roles of tasks in a rewritten graph, carried to the scheduler in the ``eugo`` annotation.
-GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE, HOST_ROLE = "gpu", "todevice", "tohost", "host"
+GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE, HOST_ROLE, CPU_ROLE = "gpu", "todevice", "tohost", "host", "cpu"
 #: Roles that need the GPU resource (device work and the copies on either side of it).
 DEVICE_ROLES = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
 
@@ -302,8 +303,8 @@ def rewrite_graph(
     for decision in plan:
         key = decision.key
         if decision.device != GPU_ROLE:
-            if decision.op in _HOST_FAMILIES:
-                roles[key] = (HOST_ROLE, decision.cpu_s, decision.cpu_s)
+            role = HOST_ROLE if decision.op in _HOST_FAMILIES else CPU_ROLE
+            roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
         node = dsk[key]
         assert type(node) is Task, node
@@ -321,8 +322,12 @@ def rewrite_graph(
         )
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         if plan.needs_host(key):
-            out[key] = Task(key, to_host, TaskRef(device_key), device)
-            roles[key] = (TOHOST_ROLE, None, None)
+            # the copy back gets a prefix of its own (the task stream tells it apart); the
+            # original key, which outputs and CPU consumers read, is an alias of it
+            host_key = prefixed_key(key, D2H_PREFIX)
+            out[host_key] = Task(host_key, to_host, TaskRef(device_key), device)
+            roles[host_key] = (TOHOST_ROLE, None, None)
+            out[key] = Alias(key, host_key)
         else:
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
