@@ -65,9 +65,12 @@ def load_object(spec: str):
 @cli.command()
 @click.argument("target")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the plan as an HTML page to this file.")
 @click.option("--profile", default=None, help="eugo.profile for this plan.")
 @click.option("--min-speedup", type=float, default=None, help="eugo.min-speedup for this plan.")
-def explain(target: str, as_json: bool, profile: str | None, min_speedup: float | None) -> None:
+def explain(target: str, as_json: bool, html_path: Path | None, profile: str | None,
+            min_speedup: float | None) -> None:
     """Print the plan for a collection: TARGET is SCRIPT_OR_MODULE:OBJECT."""
     import eugo_dask
 
@@ -76,6 +79,8 @@ def explain(target: str, as_json: bool, profile: str | None, min_speedup: float 
         collection = collection()
     settings = {k: v for k, v in (("profile", profile), ("min_speedup", min_speedup)) if v is not None}
     plan = eugo_dask.explain(collection, **settings)
+    if html_path is not None:
+        html_path.write_text(plan.to_html())
     click.echo(plan.to_json(indent=2) if as_json else str(plan))
 
 

@@ -16,6 +16,8 @@ client); the scheduler runs exactly those.
 from __future__ import annotations
 
 import contextvars
+import time
+from collections import deque
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -40,6 +42,9 @@ from eugo_dask.rewrite import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: What-if totals of the plans made in this process, newest last (the dashboard shows them).
+recent_plans: deque[dict[str, Any]] = deque(maxlen=100)
 
 # Settings frozen on the client at submission, in force while the scheduler runs the passes.
 _submitted: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
@@ -136,6 +141,8 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
     graph = split_mixed_tasks(graph, chunks)
     plan = make_plan(graph, keys, chunks, settings)
+    recent_plans.append({"time": time.time(), "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
+                         **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
     if settings.learn:
         _expect_timings(plan, settings)
     if not plan.gpu_keys:

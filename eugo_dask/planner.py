@@ -302,6 +302,57 @@ class Plan:
 
     __repr__ = __str__
 
+    def _repr_html_(self) -> str:
+        """The plan as an HTML table by task prefix (Jupyter shows this)."""
+        return plan_html(self)
+
+    def to_html(self) -> str:
+        """A standalone HTML page of the plan (``eugo-dask explain --html``)."""
+        return (
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>eugo plan</title>"
+            f"<style>{_HTML_STYLE}</style></head><body>{plan_html(self)}</body></html>"
+        )
+
+
+_HTML_STYLE = (
+    "table.eugo{border-collapse:collapse;font:13px sans-serif}"
+    ".eugo th,.eugo td{border:1px solid #ddd;padding:3px 7px;text-align:right}"
+    ".eugo td.l,.eugo th.l{text-align:left}.eugo .gpu{background:#e3f3c4}"
+    ".eugo .cpu{background:#e6ecf2}.eugo caption{text-align:left;padding:4px 0}"
+)
+
+
+def plan_html(plan: Plan) -> str:
+    """HTML table of ``plan``: one row per task prefix, GPU rows tinted, reasons in full."""
+    from html import escape
+
+    rows = []
+    for prefix, group in plan.by_prefix().items():
+        on_gpu = sum(d.device == GPU for d in group)
+        gpu = [d.gpu_s for d in group if d.gpu_s is not None]
+        cls = "gpu" if on_gpu == len(group) else "cpu" if not on_gpu else ""
+        cells = [
+            f"<td class='l'>{escape(prefix)}</td>", f"<td class='l'>{escape(group[0].op)}</td>",
+            f"<td>{len(group)}</td>", f"<td>{on_gpu}</td>",
+            f"<td>{format_seconds(sum(d.cpu_s for d in group))}</td>",
+            f"<td>{format_seconds(sum(gpu)) if gpu else 'n/a'}</td>",
+            f"<td>{format_seconds(sum(d.h2d_s for d in group))}</td>",
+            f"<td>{format_seconds(sum(d.d2h_s for d in group))}</td>",
+            f"<td class='l'>{escape(group[0].reason)}</td>",
+        ]
+        rows.append(f"<tr class='{cls}'>{''.join(cells)}</tr>")
+    t = plan.totals
+    totals = ", ".join(f"{name} {format_seconds(t.get(key, math.inf))}" for name, key in
+                       (("all-CPU", "all_cpu"), ("all-GPU", "all_gpu"), ("as chosen", "as_chosen")))
+    header = "".join(f"<th{' class=l' if h in ('prefix', 'op', 'reason (first task)') else ''}>{h}</th>"
+                     for h in ("prefix", "op", "tasks", "on GPU", "CPU s", "GPU s", "H2D s",
+                               "D2H s", "reason (first task)"))
+    caption = (f"eugo plan: {len(plan)} tasks, profile {escape(plan.profile_name)}, device "
+               f"{escape(plan.device or 'none')}, min-speedup {plan.min_speedup:g}. "
+               f"What-if task-seconds: {totals}.")
+    return (f"<style>{_HTML_STYLE}</style><table class='eugo'><caption>{caption}</caption>"
+            f"<thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
 
 # ---------------------------------------------------------------------------------------------
 # Planning
@@ -598,7 +649,9 @@ def plan_graph(
     h2d_done: set = set()
     d2h_done: set = set()
     decisions: dict[Any, Decision] = {}
-    totals = {"all_cpu": 0.0, "as_chosen": 0.0}
+    # all_gpu: every task that can run on a device pays its own estimate there (explain()
+    # replaces it with an exact plan at min-speedup 0)
+    totals = {"all_cpu": 0.0, "all_gpu": 0.0, "as_chosen": 0.0}
 
     def nbytes(k: Any) -> int:
         s = specs.get(k)
@@ -644,6 +697,7 @@ def plan_graph(
             d2h_done.update(d for d in inputs if d in on_gpu)
             chosen = cpu_total
         totals["all_cpu"] += cpu_s
+        totals["all_gpu"] += gpu_total if est.gpu_capable and not too_big else cpu_total
         totals["as_chosen"] += chosen
         decisions[k] = Decision(
             k, place, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,

@@ -27,14 +27,23 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict, deque
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
-from eugo_dask.rewrite import DEVICE_ROLES, GPU_ROLE, HOST_ROLE, TODEVICE_ROLE, TOHOST_ROLE
+from eugo_dask.rewrite import (
+    CPU_ROLE,
+    DEVICE_ROLES,
+    GPU_ROLE,
+    HOST_ROLE,
+    TODEVICE_ROLE,
+    TOHOST_ROLE,
+)
 from eugo_dask.runtime import EVENT_TOPIC
 
 if TYPE_CHECKING:
@@ -63,20 +72,31 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
         self.host_keys: set = set()  # aggregation / finalize / I/O not finished yet
+        self.cpu_keys: set = set()  # other planned tasks the plan kept on the CPU
         self.errors = 0
         self.warnings: list[str] = []
-        self.tasks_by_device: Counter[tuple[str, str]] = Counter()  # (device, prefix) -> n
-        self.bytes_h2d = 0
-        self.bytes_d2h = 0
+        self.prefixes: dict[str, PrefixStats] = defaultdict(PrefixStats)
         self.fallbacks: Counter[str] = Counter()
         self.saved_s = 0.0
         self._estimates: dict[Any, tuple[float, float]] = {}
         #: (key, role, worker name) of recent eugo tasks, as the scheduler ran them
         self.placements: deque[tuple[Any, str, str]] = deque(maxlen=100_000)
+        _instances.append(self)
+
+    @property
+    def bytes_h2d(self) -> int:
+        return sum(p.h2d_bytes for p in self.prefixes.values())
+
+    @property
+    def bytes_d2h(self) -> int:
+        return sum(p.d2h_bytes for p in self.prefixes.values())
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        from eugo_dask.metrics import register_metrics
+
+        self._guard("metrics", register_metrics)
 
     def _guard(self, what: str, fn, *args: Any) -> None:
         try:
@@ -116,10 +136,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             if ts is None or ts.state not in _PENDING:
                 continue
             kind = role["role"]
-            if kind in DEVICE_ROLES:
+            if role.get("cpu_s") is not None:
+                self._estimates[key] = (role["cpu_s"], role["est_s"])
+            if kind == CPU_ROLE:
+                self.cpu_keys.add(key)
+            elif kind in DEVICE_ROLES:
                 self.gpu_keys.add(key)
-                if role.get("cpu_s") is not None and kind == GPU_ROLE:
-                    self._estimates[key] = (role["cpu_s"], role["est_s"])
                 if not gpu_present:
                     self._run_on_cpu(ts)
                     rerouted += 1
@@ -188,40 +210,48 @@ class EugoSchedulerPlugin(SchedulerPlugin):
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "memory" and start == "processing":
-            self._guard("transition", self._count, key, kwargs.get("worker"))
+            startstops = kwargs.get("startstops") or ()
+            self._guard("transition", self._count, key, kwargs.get("worker"), startstops)
             if key in history_pending:  # eugo.learn: the worker's own compute time
-                self._guard("transition", self._learn, key, kwargs.get("startstops") or ())
+                self._guard("transition", self._learn, key, startstops)
         elif finish == "forgotten":
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
+            self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
 
-    def _count(self, key: Any, worker: str | None) -> None:
+    def _count(self, key: Any, worker: str | None, startstops: Any) -> None:
         scheduler = self.scheduler
-        if scheduler is None or (key not in self.gpu_keys and key not in self.host_keys):
+        if scheduler is None or not (key in self.gpu_keys or key in self.host_keys
+                                     or key in self.cpu_keys):
             return
         ts = scheduler.tasks.get(key)
         if ts is None:
             return
         role = (ts.annotations or {}).get("eugo", {}).get("role")
-        prefix = ts.prefix.name
+        stats = self.prefixes[ts.prefix.name]
         ws = scheduler.workers.get(worker) if worker is not None else None
         self.placements.append((key, role, ws.name if ws is not None else worker))
         if role == TODEVICE_ROLE:
-            self.bytes_h2d += ts.nbytes
-        elif role == TOHOST_ROLE:
-            self.bytes_d2h += ts.nbytes
-        elif role == GPU_ROLE:
-            on_gpu = ws is not None and bool(ws.resources.get(self.resource))
-            self.tasks_by_device[("gpu" if on_gpu else "cpu", prefix)] += 1
-            estimate = self._estimates.pop(key, None)
-            if estimate is not None and on_gpu:
+            stats.h2d_bytes += ts.nbytes
+            return
+        if role == TOHOST_ROLE:
+            stats.d2h_bytes += ts.nbytes
+            return
+        on_gpu = role == GPU_ROLE and ws is not None and bool(ws.resources.get(self.resource))
+        if on_gpu:
+            stats.gpu_tasks += 1
+        else:
+            stats.cpu_tasks += 1
+        estimate = self._estimates.pop(key, None)
+        if estimate is not None:
+            stats.predicted_s += estimate[1] if on_gpu or role != GPU_ROLE else estimate[0]
+            stats.actual_s += _compute_seconds(startstops)
+            if on_gpu:
                 self.saved_s += estimate[0] - estimate[1]
-        elif role == HOST_ROLE:
-            self.tasks_by_device[("cpu", prefix)] += 1
 
     def _learn(self, key: Any, startstops: Any) -> None:
-        seconds = sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
+        seconds = _compute_seconds(startstops)
         if seconds > 0:
             observe(key, seconds)
 
@@ -231,25 +261,67 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def log_event(self, topic: str, msg: Any) -> None:
         if topic == EVENT_TOPIC and isinstance(msg, dict) and "fallback" in msg:
             self.fallbacks[msg["fallback"]] += 1
+            self.prefixes[str(msg.get("prefix"))].fallbacks[msg["fallback"]] += 1
             _task_logger.debug("fallback in %s: %s", msg.get("prefix"), msg["fallback"])
 
     # -- reading ------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
         """The counters, as plain data."""
         by_device: dict[str, dict[str, int]] = defaultdict(dict)
-        for (device, prefix), n in self.tasks_by_device.items():
-            by_device[device][prefix] = n
+        for prefix, stats in self.prefixes.items():
+            for device, n in (("gpu", stats.gpu_tasks), ("cpu", stats.cpu_tasks)):
+                if n:
+                    by_device[device][prefix] = n
         return {
             "tasks": dict(by_device),
             "bytes_h2d": self.bytes_h2d,
             "bytes_d2h": self.bytes_d2h,
             "fallbacks": dict(self.fallbacks),
             "estimated_saved_s": self.saved_s,
+            "prefixes": {p: s.to_dict() for p, s in self.prefixes.items()},
             "warnings": list(self.warnings),
             "errors": self.errors,
         }
 
 
+@dataclass
+class PrefixStats:
+    """What eugo did for one task prefix."""
+
+    gpu_tasks: int = 0
+    cpu_tasks: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    predicted_s: float = 0.0
+    actual_s: float = 0.0
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fallbacks"] = dict(self.fallbacks)
+        return out
+
+
+def _compute_seconds(startstops: Any) -> float:
+    return sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
+
+
+#: Plugin instances in this process (the dashboard page and /metrics read the live one).
+_instances: list[EugoSchedulerPlugin] = []
+
+
+def current_plugin() -> EugoSchedulerPlugin | None:
+    """The most recently started plugin of this process that is attached to a scheduler."""
+    for plugin in reversed(_instances):
+        if plugin.scheduler is not None:
+            return plugin
+    return None
+
+
 def dask_setup(scheduler: Scheduler) -> None:
     """``dask scheduler --preload eugo_dask.plugin`` entry point."""
     scheduler.add_plugin(EugoSchedulerPlugin())
+
+
+# A preload is imported before the scheduler builds its dashboard: add the Eugo page now.
+install_dashboard()

@@ -54,6 +54,28 @@ def usable_device(name: str) -> Device | None:
     return get_device(name)
 
 
+_meter = None
+
+
+def _context_meter():
+    """distributed's context meter (Fine Performance Metrics on the dashboard); imported on
+    first use so ``import eugo_dask`` stays light."""
+    global _meter
+    if _meter is None:
+        from distributed.metrics import context_meter
+
+        _meter = context_meter
+    return _meter
+
+
+def _metered_copy(label: str, copy: Callable[[Any], Any], value: Any, nbytes: int) -> Any:
+    meter = _context_meter()
+    with meter.meter(label):
+        out = copy(value)
+    meter.digest_metric(label, nbytes, "bytes")
+    return out
+
+
 def _report_fallback(prefix: str, reason: str) -> None:
     try:
         from distributed import get_worker
@@ -97,7 +119,7 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
             and device_dtype_ok(value.dtype)
             and not device.is_device_array(value)
         ):
-            return device.to_device(value)
+            return _metered_copy("eugo-h2d", device.to_device, value, value.nbytes)
         return value
 
     return convert
@@ -106,7 +128,7 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
 def _device_to_host(device: Device) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if device.is_device_array(value):
-            return device.to_host(value)
+            return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
         return value
 
     return convert
@@ -204,7 +226,9 @@ class DeviceCall:
             return self._run_cpu_path(None, args, kwargs)
         try:
             convert = _host_to_device(device)
-            result = self.func(*_map_arrays(args, convert), **_map_arrays(kwargs, convert))
+            args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
+            with _context_meter().meter("eugo-device-compute"):
+                result = self.func(*args, **kwargs)
         except Exception as exc:
             return self._fall_back(device, exc, args, kwargs)
         _stats.add(tasks=1)

@@ -61,3 +61,28 @@ def test_explain_overrides_and_dry_run_without_device():
     assert plan.gpu_keys  # ... but shows what an H200 would take
     assert not explain(collection(), profile={"base": "h200", "cpu": "server-x86"},
                        min_speedup=1e9).gpu_keys
+
+
+def test_html(h200_server, tmp_path):
+    plan = explain(collection())
+    html = plan._repr_html_()
+    assert html.count("<tr class=") == len(plan.by_prefix())
+    assert "What-if task-seconds" in html and "matmul" in html
+    page = plan.to_html()
+    assert page.startswith("<!DOCTYPE html>") and html in page
+
+
+def test_cli_writes_html(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "pipeline.py"
+    script.write_text("import dask.array as da\n"
+                      "x = (da.ones((2000, 2000), chunks=1000) @ da.ones((2000, 2000), chunks=1000)).sum()\n")
+    out = tmp_path / "plan.html"
+    cli = str(Path(sys.executable).with_name("eugo-dask"))
+    result = subprocess.run([cli, "explain", f"{script}:x", "--html", str(out), "--profile", "h200"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "<table class='eugo'>" in out.read_text() and "eugo plan:" in result.stdout

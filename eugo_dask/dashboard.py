@@ -1,0 +1,159 @@
+"""The "Eugo" page of the scheduler's dashboard, at ``/eugo``, linked from the top bar.
+
+Installed by ``dask scheduler --preload eugo_dask.plugin`` (preloads are imported before the
+dashboard is built, so the page and the link exist from the start). Registering the plugin from a
+client later adds the counters but cannot add a page to a dashboard already serving.
+
+Live, every half second, from the scheduler plugin and the plans the eugo pass made here:
+
+- tasks on the GPU and on the CPU per task prefix;
+- bytes copied host->device and device->host per transfer prefix;
+- predicted vs measured seconds per prefix;
+- what-if task-seconds (all-CPU, all-GPU, as chosen) of the current and past computations;
+- fallbacks and their reasons.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ROUTE = "/eugo"
+
+
+class EugoDashboard:
+    """The page's Bokeh components and their periodic update."""
+
+    def __init__(self) -> None:
+        from bokeh.layouts import column, row
+        from bokeh.models import ColumnDataSource, DataTable, Div, HoverTool, TableColumn
+        from bokeh.plotting import figure
+
+        self.tasks = ColumnDataSource({"prefix": [], "gpu": [], "cpu": []})
+        self.transfers = ColumnDataSource({"prefix": [], "mb": [], "direction": [], "color": []})
+        self.seconds = ColumnDataSource({"prefix": [], "predicted": [], "actual": []})
+        self.whatif = ColumnDataSource({"run": [], "all_cpu": [], "all_gpu": [], "as_chosen": []})
+        self.fallbacks = ColumnDataSource({"reason": [], "count": []})
+
+        self.tasks_fig = figure(title="Tasks by device, per prefix", y_range=[], height=320,
+                                sizing_mode="stretch_width", toolbar_location=None,
+                                name="eugo-tasks")
+        self.tasks_fig.hbar_stack(["gpu", "cpu"], y="prefix", height=0.7, source=self.tasks,
+                                  color=["#76b900", "#5f7f9f"], legend_label=["GPU", "CPU"])
+        self.tasks_fig.add_tools(HoverTool(tooltips=[("prefix", "@prefix"), ("GPU", "@gpu"),
+                                                     ("CPU", "@cpu")]))
+        self.transfer_fig = figure(title="MB copied, per transfer prefix", y_range=[],
+                                   height=320, sizing_mode="stretch_width",
+                                   toolbar_location=None, name="eugo-transfers")
+        self.transfer_fig.hbar(y="prefix", right="mb", height=0.7, color="color",
+                               legend_field="direction", source=self.transfers)
+        self.seconds_fig = figure(title="Predicted vs measured seconds, per prefix", x_range=[],
+                                  height=320, sizing_mode="stretch_width",
+                                  toolbar_location=None, name="eugo-seconds")
+        self.seconds_fig.scatter(x="prefix", y="predicted", size=11, color="#f28e2b",
+                                 legend_label="predicted", source=self.seconds)
+        self.seconds_fig.scatter(x="prefix", y="actual", size=11, marker="triangle",
+                                 color="#4e79a7", legend_label="measured", source=self.seconds)
+        self.seconds_fig.xaxis.major_label_orientation = 0.6
+        self.whatif_fig = figure(title="What-if task-seconds per computation", height=320,
+                                 sizing_mode="stretch_width", toolbar_location=None,
+                                 name="eugo-whatif")
+        for field, color in (("all_cpu", "#5f7f9f"), ("all_gpu", "#e15759"),
+                             ("as_chosen", "#76b900")):
+            self.whatif_fig.line(x="run", y=field, color=color, line_width=2,
+                                 legend_label=field.replace("_", "-"), source=self.whatif)
+            self.whatif_fig.scatter(x="run", y=field, color=color, size=7, source=self.whatif)
+        self.whatif_fig.xaxis.axis_label = "computation"
+        self.summary = Div(text="", name="eugo-summary")
+        table = DataTable(source=self.fallbacks, height=140, sizing_mode="stretch_width",
+                          columns=[TableColumn(field="reason", title="Fallback reason"),
+                                   TableColumn(field="count", title="Tasks")])
+        self.root = column(
+            self.summary,
+            row(self.tasks_fig, self.transfer_fig, sizing_mode="stretch_width"),
+            row(self.seconds_fig, self.whatif_fig, sizing_mode="stretch_width"),
+            table,
+            sizing_mode="stretch_width",
+        )
+
+    def update(self) -> None:
+        from eugo_dask.optimization import recent_plans
+        from eugo_dask.plugin import current_plugin
+
+        plugin = current_plugin()
+        prefixes = dict(plugin.prefixes) if plugin is not None else {}
+        planned = sorted((p for p, s in prefixes.items() if s.gpu_tasks or s.cpu_tasks),
+                         key=lambda p: prefixes[p].gpu_tasks + prefixes[p].cpu_tasks)
+        self.tasks.data = {"prefix": planned, "gpu": [prefixes[p].gpu_tasks for p in planned],
+                           "cpu": [prefixes[p].cpu_tasks for p in planned]}
+        self.tasks_fig.y_range.factors = planned
+        moved = [(p, s.h2d_bytes, "host to device", "#f28e2b") if s.h2d_bytes else
+                 (p, s.d2h_bytes, "device to host", "#4e79a7")
+                 for p, s in prefixes.items() if s.h2d_bytes or s.d2h_bytes]
+        self.transfers.data = {"prefix": [m[0] for m in moved], "mb": [m[1] / 1e6 for m in moved],
+                               "direction": [m[2] for m in moved], "color": [m[3] for m in moved]}
+        self.transfer_fig.y_range.factors = [m[0] for m in moved]
+        timed = [p for p in planned if prefixes[p].predicted_s or prefixes[p].actual_s]
+        self.seconds.data = {"prefix": timed,
+                             "predicted": [prefixes[p].predicted_s for p in timed],
+                             "actual": [prefixes[p].actual_s for p in timed]}
+        self.seconds_fig.x_range.factors = timed
+        runs = list(recent_plans)
+        self.whatif.data = {"run": list(range(1, len(runs) + 1)),
+                            **{k: [r[k] for r in runs] for k in ("all_cpu", "all_gpu", "as_chosen")}}
+        fallbacks = dict(plugin.fallbacks) if plugin is not None else {}
+        self.fallbacks.data = {"reason": list(fallbacks), "count": list(fallbacks.values())}
+        gpu = sum(s.gpu_tasks for s in prefixes.values())
+        cpu = sum(s.cpu_tasks for s in prefixes.values())
+        saved = plugin.saved_s if plugin is not None else 0.0
+        self.summary.text = (
+            f"<h3>eugo</h3><p><b>{gpu}</b> tasks on the GPU, <b>{cpu}</b> on the CPU; "
+            f"<b>{(plugin.bytes_h2d if plugin else 0) / 1e6:.1f} MB</b> to the device, "
+            f"<b>{(plugin.bytes_d2h if plugin else 0) / 1e6:.1f} MB</b> back; "
+            f"<b>{sum(fallbacks.values())}</b> fallbacks; estimated "
+            f"<b>{saved:.3g} s</b> of task time saved; {len(runs)} computations planned.</p>"
+        )
+
+
+def eugo_doc(scheduler: Any, extra: dict, doc: Any) -> None:
+    """Bokeh document of the page."""
+    from distributed.dashboard.components import add_periodic_callback
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    page = EugoDashboard()
+    page.update()
+    add_periodic_callback(doc, page, 500)
+    doc.title = "Dask: Eugo"
+    doc.add_root(page.root)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
+
+
+_installed = False
+
+
+def install() -> bool:
+    """Add the page and its top-bar link to the scheduler dashboard (before it is built).
+    Returns False where Bokeh (the dashboard) is not installed."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        import distributed.dashboard.scheduler as dashboard
+    except ImportError:  # no bokeh: no dashboard at all
+        return False
+    dashboard.applications[ROUTE] = eugo_doc
+    original = dashboard.template_variables
+
+    def template_variables(scheduler):
+        variables = original(scheduler)
+        if "eugo" not in variables["pages"]:
+            variables["pages"].append("eugo")
+        return variables
+
+    dashboard.template_variables = template_variables
+    _installed = True
+    return True

@@ -1,0 +1,145 @@
+"""Observability on a real cluster: the /eugo page (in headless Chromium), the navigation link,
+Prometheus metrics, fine performance metrics, and a plugin error that must not break them.
+
+The scheduler is a separate process started with ``dask scheduler --preload eugo_dask.plugin``;
+the GPU worker runs the emulated device."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import urllib.request
+
+import dask
+import eugo_dask
+import pytest
+from dask.array.utils import assert_eq
+
+from .cluster import process_cluster
+from .test_plugin import EXPECTED, SETTINGS, pipeline, plugin_summary, worker_stats
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+WORKERS = {"gpu": {"gpu": True, "nthreads": 2}, "cpu": {}}
+CHROMIUM = shutil.which("chromium")
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+            if all(found.get(k) == v for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with process_cluster(tmp_path_factory.mktemp("dash"), workers=WORKERS) as (cluster, client):
+        port = client.scheduler_info()["services"]["dashboard"]
+        yield cluster, client, f"http://127.0.0.1:{port}"
+
+
+def test_page_navigation_metrics_and_fine_metrics(cluster):
+    _, client, base = cluster
+    client.run(eugo_dask.reset_device_stats)
+    with dask.config.set(SETTINGS):
+        assert_eq(pipeline().compute(), EXPECTED)
+    assert "Bokeh" in get(base + "/eugo")
+    assert 'href="eugo"' in get(base + "/status")  # the top bar links to the page
+
+    text = get(base + "/metrics")
+    stats = worker_stats(client)["gpu"]
+    summary = plugin_summary(client)
+    # the scheduler's counts agree with what the GPU worker's device layer did
+    assert metric(text, "eugo_tasks_total", device="gpu") == stats["tasks"] > 0
+    assert metric(text, "eugo_transfer_bytes_total", direction="host_to_device") == stats["h2d_bytes"]
+    assert metric(text, "eugo_transfer_bytes_total", direction="device_to_host") == stats["d2h_bytes"]
+    assert metric(text, "eugo_tasks_total", device="cpu", prefix="sum-aggregate") == \
+        summary["prefixes"]["sum-aggregate"]["cpu_tasks"] > 0
+    assert metric(text, "eugo_predicted_seconds_total") > 0
+    assert metric(text, "eugo_actual_seconds_total") > 0
+    assert "eugo_saved_seconds" in text and "eugo_fallbacks_total" in text
+
+    wanted = {"eugo-h2d", "eugo-d2h", "eugo-device-compute"}
+    deadline = time.monotonic() + 20  # workers send their metrics with their heartbeats
+    while True:
+        activities = client.run_on_scheduler(lambda dask_scheduler: {
+            k[2] for k in dask_scheduler.cumulative_worker_metrics
+            if isinstance(k, tuple) and len(k) == 4})
+        if wanted <= activities or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert wanted <= activities
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    _, client, base = cluster
+    x = (pipeline() for _ in range(1))
+    with dask.config.set(SETTINGS):
+        assert_eq(next(x).compute(), EXPECTED)  # data on the page before it opens
+        import dask.array as da
+        import numpy as np
+
+        big = np.exp(da.random.default_rng(1).random((3000, 3000), chunks=(100, 3000))).sum(axis=1)
+        running = client.compute(big)
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.goto(base + "/eugo")
+            page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
+            computing = not running.done()
+            # the plots' own data, as the browser holds it, once the periodic update ran
+            page.wait_for_function("""() => {
+                const doc = Bokeh.documents[0];
+                const fig = doc.get_model_by_name('eugo-tasks');
+                return fig && fig.renderers.some(r => r.data_source && r.data_source.data.prefix.length > 0);
+            }""", timeout=30_000)
+            prefixes = page.evaluate("""() => Array.from(
+                Bokeh.documents[0].get_model_by_name('eugo-tasks').renderers[0].data_source.data.prefix)""")
+            summary = page.evaluate("() => Bokeh.documents[0].get_model_by_name('eugo-summary').text")
+            time.sleep(1)
+            page.screenshot(path=str(tmp_path / "eugo.png"), full_page=True)
+            assert page.title() == "Dask: Eugo"
+        finally:
+            browser.close()
+    running.result(timeout=120)
+    assert computing or running.done()
+    assert errors == []
+    assert any(p.startswith("eugo-gpu") for p in prefixes)
+    assert "tasks on the GPU" in summary
+    assert (tmp_path / "eugo.png").stat().st_size > 20_000
+
+
+def test_plugin_error_does_not_break_scheduler_or_metrics(cluster):
+    _, client, base = cluster
+
+    def break_counting(dask_scheduler):
+        plugin = dask_scheduler.plugins["eugo"]
+        plugin._count = lambda *args: 1 / 0  # every finished task now raises inside the hook
+
+    client.run_on_scheduler(break_counting)
+    before = plugin_summary(client)["errors"]
+    with dask.config.set(SETTINGS):
+        assert_eq(pipeline().compute(), EXPECTED)  # the computation is not affected
+    errors = plugin_summary(client)["errors"]
+    assert errors > before
+    text = get(base + "/metrics")
+    assert metric(text, "eugo_plugin_errors_total") == errors
+    assert metric(text, "eugo_metrics_errors_total") == 0
