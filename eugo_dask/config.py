@@ -52,10 +52,16 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def resolved(self) -> Settings:
-        """These settings with ``device`` and ``profile`` resolved here (``auto`` -> what this
-        machine has), so they can be carried to a process that has no GPU: the scheduler."""
-        device = resolve_device_name(self.device) or "none"
+    def resolved(self, gpu_workers: bool | None = None) -> Settings:
+        """These settings with ``device`` and ``profile`` resolved (``auto`` -> a device).
+
+        ``gpu_workers`` says whether the cluster the graph runs on has workers advertising the
+        GPU resource (None: no cluster, decide from this machine). With them, ``auto`` plans
+        for CuPy: the workers' own devices run the GPU tasks."""
+        if self.device == "auto" and gpu_workers:
+            device = "cupy"
+        else:
+            device = resolve_device_name(self.device) or "none"
         return Settings(**{**asdict(self), "device": device,
                            "profile": resolve_profile(self.profile, device)})
 
@@ -121,7 +127,10 @@ def resolve_profile(profile: Any, device: str) -> Any:
     an unknown GPU); anything else is returned as given."""
     if profile != "auto":
         return profile
-    name = cupy_device_name() if device == "cupy" else None
+    try:
+        name = cupy_device_name() if device == "cupy" else None
+    except ImportError:  # planning on a scheduler without CuPy for GPU workers
+        name = None
     for needle, preset in _DEVICE_PRESETS:
         if name and needle in name:
             return preset

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import sys
 import time
 from collections import deque
 import json
@@ -56,7 +57,20 @@ _submitted: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
 
 def _current_settings() -> Settings:
     frozen = _submitted.get()
-    return frozen if frozen is not None else read_settings().resolved()
+    if frozen is None:  # a local scheduler: this machine's devices
+        return read_settings().resolved()
+    # submitted to a distributed scheduler: plan for the cluster's workers
+    return frozen.resolved(gpu_workers=_cluster_has_gpu_workers(frozen.resource))
+
+
+def _cluster_has_gpu_workers(resource: str) -> bool | None:
+    """Whether the scheduler this pass runs in has workers advertising ``resource`` (None where
+    that cannot be known: no eugo scheduler plugin here)."""
+    plugin_module = sys.modules.get("eugo_dask.plugin")  # loaded only where the plugin runs
+    plugin = plugin_module.current_plugin() if plugin_module is not None else None
+    if plugin is None or plugin.scheduler is None:
+        return None
+    return any(ws.resources.get(resource) for ws in plugin.scheduler.workers.values())
 
 
 def _task_spec_dict(dsk: Any) -> dict[Any, GraphNode]:
@@ -218,7 +232,9 @@ class OptimizationsBridge:
 
     def __reduce__(self):
         passes = _configured_passes()
-        settings = read_settings().resolved() if any(map(_is_eugo_pass, passes)) else None
+        # validated now (errors reach the user), resolved where the plan is made: "auto"
+        # means the cluster's devices, not this client's
+        settings = read_settings() if any(map(_is_eugo_pass, passes)) else None
         return (SubmittedOptimizations, (passes, settings))
 
     def __eq__(self, other: object) -> bool:

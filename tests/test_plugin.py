@@ -156,3 +156,17 @@ def test_register_plugin_on_local_cluster_reroutes_without_gpu_workers():
         with dask.config.set(SETTINGS):
             assert_eq(pipeline().compute(), EXPECTED)
         assert len(plugin.warnings) == 1
+
+
+def test_auto_plans_for_the_clusters_gpu_workers(tmp_path):
+    # The client has no GPU; eugo.device: auto must mean the cluster's devices, not the client's.
+    workers = {"gpu": {"gpu": True, "env": {"DASK_EUGO__DEVICE": "auto"}}, "cpu": {}}
+    settings = {**SETTINGS, "eugo.device": "auto"}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(settings):
+            assert eugo_dask.read_settings().resolved().device == "none"  # on this client
+            assert_eq(pipeline().compute(), EXPECTED)
+        gpu_work = [(k, w) for k, role, w in placements(client) if role == "gpu"]
+        assert gpu_work and {w for _, w in gpu_work} == {"gpu"}  # planned for, and pinned to, it
+        # that worker has no CUDA device here, so its GPU tasks ran their CPU path
+        assert worker_stats(client)["gpu"]["tasks"] == 0
