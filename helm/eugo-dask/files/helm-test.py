@@ -1,0 +1,38 @@
+"""`helm test`: connect, wait for the workers, run a computation; with GPU workers, check that
+eugo put work on them (GPU tasks ran on GPU workers, per the scheduler plugin)."""
+
+import os
+import sys
+
+import dask
+import dask.array as da
+import numpy as np
+from distributed import Client
+
+import eugo_dask
+
+address = os.environ["DASK_SCHEDULER_ADDRESS"]
+workers = int(os.environ.get("EUGO_TEST_WORKERS", "1"))
+gpu = os.environ.get("EUGO_TEST_GPU", "false").lower() == "true"
+timeout = float(os.environ.get("EUGO_TEST_TIMEOUT", "300"))
+
+with Client(address, timeout=timeout) as client:
+    client.wait_for_workers(workers, timeout=timeout)
+    print(f"connected to {address}: {len(client.scheduler_info()['workers'])} workers")
+    data = np.random.default_rng(0).random((600, 400))
+    x = da.from_array(data, chunks=200)
+    expected = (np.tanh(data @ data.T) + 1).sum(axis=0)
+    settings = {"optimizations": [eugo_dask.eugo]}
+    if gpu:
+        settings["eugo.min-speedup"] = 0  # every task that can run on a device does
+    with dask.config.set(settings):
+        result = (np.tanh(x @ x.T) + 1).sum(axis=0).compute()
+    np.testing.assert_allclose(result, expected, rtol=1e-6)
+    if gpu:
+        summary = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+        on_gpu = sum(summary["tasks"].get("gpu", {}).values())
+        print(f"eugo: {on_gpu} tasks ran on GPU workers")
+        if not on_gpu:
+            sys.exit("no GPU-planned task ran on a GPU worker")
+    print("ok")
