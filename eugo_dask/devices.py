@@ -417,7 +417,7 @@ def get_device(name: str) -> Device | None:
     if name == "emulated":
         from dask.utils import parse_bytes
 
-        limit = parse_bytes(dask.config.get("eugo.emulated.memory-limit"))
+        limit = parse_bytes(dask.config.get("eugo.emulated.memory-limit", "16 GiB"))
         key = (name, limit)
     elif name == "cupy":
         key = (name, 0)

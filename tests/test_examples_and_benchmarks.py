@@ -74,3 +74,25 @@ def test_prediction_accuracy_runs():
     assert "median absolute percentage error per family" in out
     families = [line.split()[0] for line in out.splitlines()[-4:]]
     assert families == ["matmul", "elementwise", "fft", "reduction"]
+
+
+@pytest.mark.slow
+def test_heterogeneous_cluster_example():
+    out = run("examples/heterogeneous_cluster.py", "--quick")
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and len(line.split()) == 3]
+    placed = {(role, worker) for role, worker, _ in rows}
+    assert ("gpu", "gpu") in placed and not any(r == "gpu" and w != "gpu" for r, w in placed)
+    assert not any(r == "host" and w == "gpu" for r, w in placed)
+    assert "gpu: 0 device tasks" not in out and "cpu-1: 0 device tasks" in out
+    assert "results match plain Dask" in out and "/eugo" in out
+
+
+@pytest.mark.slow
+def test_connect_to_chart_example():
+    out = run("examples/connect_to_chart.py", "--quick")
+    assert "eugo plan:" in out and "'eugo-gpu-chunk-sum'" in out
+
+
+def test_zarr_field_pipeline_example():
+    out = run("examples/zarr_field_pipeline.py", "--quick")
+    assert "I/O (getter) stays on the CPU" in out and "results match plain Dask" in out
