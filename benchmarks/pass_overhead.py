@@ -27,7 +27,6 @@ import dask.array as da
 import numpy as np
 from dask.array.optimization import optimize as dask_optimize
 
-import eugo_dask
 from eugo_dask.optimization import eugo
 from eugo_dask.planner import ChunkInfo
 

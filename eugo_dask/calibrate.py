@@ -197,11 +197,10 @@ def measure_gpu(*, quick: bool, progress: Progress = print) -> tuple[dict, dict]
         pinned_mem = cupy.cuda.alloc_pinned_memory(nbytes)
         pinned = np.frombuffer(pinned_mem, np.uint8, nbytes)
         pinned[:] = 1
-        rates["h2d"].append(nbytes / best_seconds(lambda: dev.set(host), repeat=repeat, sync=sync))
-        rates["d2h"].append(nbytes / best_seconds(lambda: dev.get(out=host), repeat=repeat, sync=sync))
-        rates["pinned_h2d"].append(nbytes / best_seconds(lambda: dev.set(pinned), repeat=repeat, sync=sync))
-        rates["pinned_d2h"].append(nbytes / best_seconds(lambda: dev.get(out=pinned), repeat=repeat, sync=sync))
-        del dev, pinned, pinned_mem
+        copies = {"h2d": lambda: dev.set(host), "d2h": lambda: dev.get(out=host),
+                  "pinned_h2d": lambda: dev.set(pinned), "pinned_d2h": lambda: dev.get(out=pinned)}
+        for kind, copy in copies.items():
+            rates[kind].append(nbytes / best_seconds(copy, repeat=repeat, sync=sync))
     tiny = np.ones(8, dtype=np.uint8)
     tiny_dev = cupy.asarray(tiny)
     latency = best_seconds(lambda: tiny_dev.set(tiny), repeat=repeat * 5, sync=sync)

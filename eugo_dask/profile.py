@@ -444,10 +444,8 @@ def measure_local_cpu() -> dict[str, Any]:
     from eugo_dask.cost_model import UFUNC_WEIGHTS
 
     big = np.ones(1 << 23)  # 64 MB: past the caches, as Dask chunks are
-    big_out = np.empty_like(big)
-    add_s = _best_seconds(lambda: np.add(big, 1.0, out=big_out), repeat=3)
+    add_s = _best_seconds(lambda out=np.empty_like(big): np.add(big, 1.0, out=out), repeat=3)
     bandwidth = 2 * big.nbytes / add_s  # read + write traffic
-    del big, big_out
     n = 1 << 20
     x32 = np.random.default_rng(0).random(n, dtype=np.float32)
     x64 = x32.astype(np.float64)

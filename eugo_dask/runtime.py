@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from dask._task_spec import DataNode, Task, TaskRef, _execute_subgraph
+from dask._task_spec import DataNode, Task, _execute_subgraph
 from dask.utils import funcname
 
 from eugo_dask.devices import Device, _stats, device_dtype_ok, get_device
@@ -266,4 +266,4 @@ def is_eugo_callable(func: Any) -> bool:
     return func in (to_device, to_host) or isinstance(func, (DeviceCall, OnDevice))
 
 
-__all__ = ["DeviceCall", "OnDevice", "TaskRef", "is_eugo_callable", "to_device", "to_host"]
+__all__ = ["DeviceCall", "OnDevice", "is_eugo_callable", "to_device", "to_host", "usable_device"]

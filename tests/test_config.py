@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,9 +9,7 @@ import sys
 import dask
 import dask.array as da
 import jsonschema
-import numpy as np
 import pytest
-import yaml
 
 import eugo_dask
 from eugo_dask.config import _load_yaml, read_settings, schema
@@ -87,7 +84,6 @@ def test_import_does_not_import_cupy():
 
 
 def test_cupy_device_without_cupy_says_how_to_install():
-    pytest.importorskip("cupy", reason=None) if False else None
     try:
         import cupy  # noqa: F401
     except ImportError:

@@ -8,7 +8,6 @@ import dask
 import dask.array as da
 import numpy as np
 
-import eugo_dask
 from eugo_dask import Decision, explain
 
 

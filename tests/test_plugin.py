@@ -76,7 +76,7 @@ def test_heterogeneous_cluster_places_by_role(tmp_path):
         assert type(result) is np.ndarray
         runs = placements(client)
         by_role: dict[str, set] = {}
-        for key, role, worker in runs:
+        for _, role, worker in runs:
             by_role.setdefault(role, set()).add(worker)
         # every GPU-planned task and transfer ran on the GPU worker
         for role in ("gpu", "todevice", "tohost"):

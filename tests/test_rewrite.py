@@ -5,7 +5,6 @@ from __future__ import annotations
 import dask
 import dask.array as da
 import numpy as np
-import pytest
 from dask.array.utils import assert_eq
 from dask.utils import key_split
 
