@@ -604,11 +604,15 @@ def plan_graph(
     outputs = _flatten_keys(keys)
     aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
 
-    def resolve(k: Any) -> Any:
+    def follow(k: Any) -> Any:
         seen = 0
         while k in aliases and seen < 1000:
             k, seen = aliases[k], seen + 1
         return k
+
+    # an alias's final target, looked up in one dict access on the hot path
+    targets = {a: follow(a) for a in aliases}
+    resolve = targets.get
 
     order = _toposort(dsk)
     width = Counter(k[0] if isinstance(k, tuple) else k for k, v in dsk.items() if type(v) is Task)
@@ -624,9 +628,9 @@ def plan_graph(
             v = node.value
             specs[k] = ArraySpec(v.shape, v.dtype) if isinstance(v, np.ndarray) else None
         elif isinstance(node, Alias):
-            specs[k] = specs.get(resolve(k))
+            specs[k] = specs.get(resolve(k, k))
         elif type(node) is Task and not is_eugo_callable(node.func):
-            inputs = [specs.get(resolve(d)) for d in node.dependencies]
+            inputs = [specs.get(resolve(d, d)) for d in node.dependencies]
             estimates[k], specs[k] = describer.describe(k, node, inputs)
         else:
             specs[k] = None
@@ -637,12 +641,12 @@ def plan_graph(
     for k in order:
         node = dsk[k]
         if k in outputs:
-            static_host.add(resolve(k))
+            static_host.add(resolve(k, k))
         est = estimates.get(k)
         if isinstance(node, Alias):
             continue  # an alias passes its consumers' needs through resolve()
         if est is None or not est.gpu_capable:
-            static_host.update(resolve(d) for d in node.dependencies)
+            static_host.update(resolve(d, d) for d in node.dependencies)
 
     # Pass 2: greedy placement in dependency order.
     on_gpu: set = set()
@@ -653,9 +657,7 @@ def plan_graph(
     # replaces it with an exact plan at min-speedup 0)
     totals = {"all_cpu": 0.0, "all_gpu": 0.0, "as_chosen": 0.0}
 
-    def nbytes(k: Any) -> int:
-        s = specs.get(k)
-        return s.nbytes if s is not None else 0
+    sizes = {k: s.nbytes for k, s in specs.items() if s is not None}
 
     h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
     d2h_s = functools.lru_cache(maxsize=None)(lambda n: estimate_d2h_seconds(n, profile))
@@ -663,13 +665,13 @@ def plan_graph(
         est = estimates.get(k)
         if est is None:
             continue
-        inputs = {resolve(d) for d in dsk[k].dependencies}
+        inputs = {resolve(d, d) for d in dsk[k].dependencies}
         lanes = min(width[k[0] if isinstance(k, tuple) else k], threads) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / max(lanes, 1)
         d2h_in = h2d = 0.0
         input_bytes = 0
         for d in inputs:
-            n = nbytes(d)
+            n = sizes.get(d, 0)
             input_bytes += n
             if d in on_gpu:
                 if d not in d2h_done:
@@ -706,13 +708,13 @@ def plan_graph(
         )
 
     # Final: a GPU result goes back to the host when an output or a CPU-placed consumer needs it.
-    host_needed = {resolve(k) for k in outputs}
+    host_needed = {resolve(k, k) for k in outputs}
     for k, node in dsk.items():
         d = decisions.get(k)
         if isinstance(node, Alias):
             continue
         if d is None or d.device == CPU:
-            host_needed.update(resolve(x) for x in node.dependencies)
+            host_needed.update(resolve(x, x) for x in node.dependencies)
     plan = Plan(
         decisions=decisions,
         profile_name=profile.name,
