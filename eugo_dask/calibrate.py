@@ -34,7 +34,7 @@ Progress = Callable[[str], None]
 QUICK_SIZES = {"matmul": (64, 256, 512),
                "elementwise": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 23),
                "fft": (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
-               "reduction": (1 << 16, 1 << 22)}
+               "reduction": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)}
 FULL_SIZES = {"matmul": (32, 64, 128, 256, 512, 1024, 2048),
               "elementwise": (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22,
                               1 << 23, 1 << 24),
@@ -140,11 +140,16 @@ def measure_cpu(*, quick: bool, threads: int | None = None, progress: Progress =
 
     progress("cpu: reductions")
     reduction_bw = []
-    for n in sizes["reduction"]:
-        x = rng.random(n)
-        seconds = best_seconds(lambda x=x: x.sum(), repeat=repeat)
-        if n >= 1 << 20:
-            reduction_bw.append(x.nbytes / seconds)
+    reduction_table: dict[str, dict[str, list]] = {}
+    for dtype in ("float32", "float64"):
+        points = []
+        for n in sizes["reduction"]:
+            x = rng.random(n).astype(dtype)
+            seconds = best_seconds(lambda x=x: x.sum(), repeat=repeat)
+            points.append([n, seconds / n])
+            if n >= 1 << 20 and dtype == "float64":
+                reduction_bw.append(x.nbytes / seconds)
+        reduction_table[dtype] = {"sum": points}
 
     progress("cpu: per-task overhead of Dask's scheduler")
     overhead = _dask_task_overhead(100 if quick else 1000)
@@ -161,6 +166,7 @@ def measure_cpu(*, quick: bool, threads: int | None = None, progress: Progress =
         "fft_flops_per_s": fft,
         "elementwise_s_per_element": per_element,
         "fft_s_per_flop": fft_table,
+        "reduction_s_per_element": reduction_table,
         "task_overhead_s": overhead,
     }
 

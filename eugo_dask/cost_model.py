@@ -321,8 +321,12 @@ def estimate_op(
     if op.family == REDUCTION:
         traffic = n * item
         flops = float(n)
-        read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
-        cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(dtype))
+        per_element = cpu.reduction_seconds(dtype, n)
+        if per_element is not None:  # calibrated on this CPU
+            cpu_s = n * per_element
+        else:
+            read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
+            cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(dtype))
         return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
     if op.family == MOVEMENT:
         if op.name in ("getitem", "transpose", "identity", "_identity_cast", "squeeze",

@@ -73,6 +73,7 @@ _CPU_FIELDS = {
     "matmul_half_n": "positive?",
     "elementwise_s_per_element": "class-rates?",
     "fft_s_per_flop": "class-rates?",
+    "reduction_s_per_element": "class-rates?",
 }
 _TOP_FIELDS = {"name", "source", "description", "base", "gpu", "link", "cpu"}
 
@@ -147,6 +148,13 @@ class CPUProfile:
         from eugo_dask.cost_model import UFUNC_CLASS
 
         return _lookup(self.elementwise_s_per_element, dtype, UFUNC_CLASS.get(ufunc, ""), n)
+
+    #: measured seconds per element of a sum by dtype and size (calibrate)
+    reduction_s_per_element: Mapping[str, Mapping[str, Any]] | None = None
+
+    def reduction_seconds(self, dtype: np.dtype, n: int) -> float | None:
+        """Calibrated seconds per element of a reduction's chunk step, or None."""
+        return _lookup(self.reduction_s_per_element, dtype, "sum", n)
 
     def fft_seconds_per_flop(self, dtype: np.dtype, n: int) -> float | None:
         """Calibrated seconds per FFT flop at ``dtype`` and ``n`` points, or None."""
