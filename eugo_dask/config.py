@@ -58,8 +58,8 @@ class Settings:
         ``gpu_workers`` says whether the cluster the graph runs on has workers advertising the
         GPU resource (None: no cluster, decide from this machine). With them, ``auto`` plans
         for CuPy: the workers' own devices run the GPU tasks."""
-        if self.device == "auto" and gpu_workers:
-            device = "cupy"
+        if (self.device == "auto" and gpu_workers) or (self.device == "cupy" and gpu_workers is not None):
+            device = "cupy"  # planned for the cluster's workers; this process needs no CuPy
         else:
             device = resolve_device_name(self.device) or "none"
         return Settings(**{**asdict(self), "device": device,

@@ -113,9 +113,9 @@ class ChunkInfo:
             shape = tuple([dim[i] for dim, i in zip(chunks, index)])
         except (IndexError, TypeError):
             return None
-        if type(shape[0] if shape else 0) is not int:
+        if any(type(s) is not int for s in shape):
             if any(isinstance(s, float) and math.isnan(s) for s in shape):
-                return None
+                return None  # unknown chunk sizes (boolean indexing): size unknown
             shape = tuple(int(s) for s in shape)
         return ArraySpec(shape, dtype)
 

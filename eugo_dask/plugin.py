@@ -44,7 +44,7 @@ from eugo_dask.rewrite import (
     TODEVICE_ROLE,
     TOHOST_ROLE,
 )
-from eugo_dask.runtime import EVENT_TOPIC
+from eugo_dask.runtime import EVENT_TOPIC, cpu_path_task
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -157,12 +157,16 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             )
 
     def _run_on_cpu(self, ts: TaskState) -> None:
+        """Re-route a GPU task: no resource request, and a run spec that runs the CPU path
+        wherever it lands, so no device array is made even if a GPU worker joins later and
+        picks it up (its consumers may be on CPU workers)."""
         if ts.resource_restrictions:
             ts.resource_restrictions = {
                 r: n for r, n in ts.resource_restrictions.items() if r != self.resource
             } or None
         ts.worker_restrictions = None
         ts.host_restrictions = None
+        ts.run_spec = cpu_path_task(ts.run_spec)
 
     def _warn(self, message: str) -> None:
         self.warnings.append(message)

@@ -128,7 +128,9 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
 def _device_to_host(device: Device) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if device.is_device_array(value):
-            return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+            host = _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+            # devices keep scalars as 0-d arrays; NumPy hands out scalars, as plain Dask does
+            return host[()] if host.ndim == 0 else host
         return value
 
     return convert
@@ -205,23 +207,28 @@ def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_
 
 
 class DeviceCall:
-    """Run a chunk function on the device, with its CPU path as the fallback."""
+    """Run a chunk function on the device, with its CPU path as the fallback.
 
-    __slots__ = ("func", "device_name", "prefix")
+    ``cpu_only`` (set when the scheduler re-routes the task for want of a GPU worker) runs the
+    CPU path whatever device the process has."""
 
-    def __init__(self, func: Callable[..., Any], device_name: str, prefix: str) -> None:
+    __slots__ = ("func", "device_name", "prefix", "cpu_only")
+
+    def __init__(self, func: Callable[..., Any], device_name: str, prefix: str,
+                 cpu_only: bool = False) -> None:
         self.func = func
         self.device_name = device_name
         self.prefix = prefix
+        self.cpu_only = cpu_only
 
     def __reduce__(self):
-        return (DeviceCall, (self.func, self.device_name, self.prefix))
+        return (DeviceCall, (self.func, self.device_name, self.prefix, self.cpu_only))
 
     def __repr__(self) -> str:
         return f"DeviceCall({funcname(self.func)}, {self.device_name!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device = usable_device(self.device_name)
+        device = None if self.cpu_only else usable_device(self.device_name)
         if device is None or _cpu_path_active():
             return self._run_cpu_path(None, args, kwargs)
         try:
@@ -261,9 +268,28 @@ class DeviceCall:
             return self.func(*args, **kwargs)
 
 
+def _host_value(value: Any, device_name: str) -> Any:
+    """A re-routed host->device copy: the value stays on the host."""
+    return value
+
+
+def cpu_path_task(task: Any) -> Any:
+    """``task`` (a GPU task or a copy to the device) rewritten to run its CPU path anywhere."""
+    if type(task) is not Task:
+        return task
+    if isinstance(task.func, DeviceCall):
+        func: Callable[..., Any] = DeviceCall(task.func.func, task.func.device_name,
+                                              task.func.prefix, cpu_only=True)
+    elif task.func is to_device:
+        func = _host_value
+    else:
+        return task
+    return Task(task.key, func, *task.args, **task.kwargs)
+
+
 def is_eugo_callable(func: Any) -> bool:
     """Whether ``func`` is one of the callables this module puts into graphs."""
-    return func in (to_device, to_host) or isinstance(func, (DeviceCall, OnDevice))
+    return func in (to_device, to_host, _host_value) or isinstance(func, (DeviceCall, OnDevice))
 
 
 __all__ = ["DeviceCall", "OnDevice", "is_eugo_callable", "to_device", "to_host", "usable_device"]

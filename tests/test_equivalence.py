@@ -152,3 +152,17 @@ def test_non_numeric_dtypes_stay_on_cpu(build, reason, emulated):
     plan = eugo_dask.explain(x)
     assert not plan.gpu_keys
     assert any(reason in d.reason for d in plan), str(plan)
+
+
+def test_scalar_results_are_numpy_scalars(emulated):
+    x = da.from_array(X, chunks=20)
+    result = (x * 2)[1, 1].compute(scheduler="sync")
+    assert type(result) is np.float64 and result == X[1, 1] * 2
+
+
+def test_learning_with_unknown_chunk_sizes(emulated, tmp_path):
+    x = da.from_array(np.arange(16.0).reshape(4, 4), chunks=2)
+    mask = da.from_array(np.arange(4.0), chunks=2) > 1
+    with dask.config.set({"eugo.learn": True, "eugo.history": str(tmp_path / "h.json")}):
+        result = (x[:, mask] * 2).compute(scheduler="sync")
+    np.testing.assert_array_equal(result, np.arange(16.0).reshape(4, 4)[:, 2:] * 2)

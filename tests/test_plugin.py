@@ -170,3 +170,4 @@ def test_auto_plans_for_the_clusters_gpu_workers(tmp_path):
         assert gpu_work and {w for _, w in gpu_work} == {"gpu"}  # planned for, and pinned to, it
         # that worker has no CUDA device here, so its GPU tasks ran their CPU path
         assert worker_stats(client)["gpu"]["tasks"] == 0
+
