@@ -38,9 +38,11 @@ DEVICE_DTYPE_KINDS = frozenset("biufc")
 
 def device_dtype_ok(dtype: np.dtype) -> bool:
     """Whether arrays of ``dtype`` can live on a device (no object, string, structured,
-    datetime or extended-precision data)."""
+    datetime, extended-precision or byte-swapped data)."""
     dtype = np.dtype(dtype)
-    return dtype.kind in DEVICE_DTYPE_KINDS and dtype.itemsize <= 16 and dtype != np.longdouble
+    # non-native byte order: CuPy would reinterpret the bytes rather than convert them
+    return (dtype.kind in DEVICE_DTYPE_KINDS and dtype.isnative and dtype.itemsize <= 16
+            and dtype != np.longdouble)
 
 
 # ---------------------------------------------------------------------------------------------

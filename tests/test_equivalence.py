@@ -139,8 +139,10 @@ def test_same_result_as_plain_dask(name, emulated):
          "dtype <U3 never offloads"),
         (lambda: da.from_array(np.arange(30).astype("M8[s]"), chunks=10) + np.timedelta64(1, "s"),
          "never offloads"),
+        (lambda: np.sin(da.from_array(np.arange(30.0).astype(">f8"), chunks=10)),
+         "dtype >f8 never offloads"),
     ],
-    ids=["object", "string", "datetime"],
+    ids=["object", "string", "datetime", "big-endian"],
 )
 def test_non_numeric_dtypes_stay_on_cpu(build, reason, emulated):
     with dask.config.set(optimizations=[]):
