@@ -10,7 +10,7 @@ import dask
 import numpy as np
 
 import eugo_dask
-from eugo_dask.devices import cupy_device_count, get_device
+from eugo_dask.devices import cupy_device_count
 
 NOT_MEASURED = "not measured"
 
@@ -59,10 +59,6 @@ def fmt(value: Any) -> str:
     if isinstance(value, str):
         return value
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
-
-
-def emulated_device():
-    return get_device("emulated")
 
 
 __all__ = ["NOT_MEASURED", "best_of", "compute_eugo", "compute_plain", "eugo_settings", "fmt",

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from eugo_dask.cost_model import UFUNC_WEIGHTS
-from eugo_dask.profile import profile_dict, validate_profile_dict
+from eugo_dask.profile import best_seconds, profile_dict, validate_profile_dict
 
 Progress = Callable[[str], None]
 
@@ -43,23 +43,6 @@ FULL_SIZES = {"matmul": (32, 64, 128, 256, 512, 1024, 2048),
 #: Ufunc classes measured for the elementwise rate (one representative each).
 UFUNC_CLASSES = {"memory": "add", "divide": "divide", "sqrt": "sqrt", "transcendental": "exp",
                  "trig": "sin", "power": "power"}
-
-
-def best_seconds(fn: Callable[[], Any], *, repeat: int, budget_s: float = 1.0,
-                 sync: Callable[[], None] = lambda: None) -> float:
-    """Best of ``repeat`` timed calls after one warm-up call (stopping early past a budget)."""
-    fn()
-    sync()
-    best, spent = math.inf, 0.0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > budget_s:
-            break
-    return max(best, 1e-9)
 
 
 def _fit_inverse(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -551,6 +551,19 @@ class TaskDescriber:
         return estimate, out
 
 
+def alias_targets(dsk: Mapping[Any, GraphNode]) -> dict[Any, Any]:
+    """Each alias key of ``dsk`` -> the key it finally stands for (chains followed)."""
+    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
+
+    def follow(k: Any) -> Any:
+        seen = 0
+        while k in aliases and seen < 1000:
+            k, seen = aliases[k], seen + 1
+        return k
+
+    return {a: follow(a) for a in aliases}
+
+
 def _toposort(dsk: Mapping[Any, GraphNode]) -> list[Any]:
     """Keys of ``dsk``, each after its dependencies (Kahn's algorithm)."""
     waiting: dict[Any, int] = {}
@@ -602,17 +615,8 @@ def plan_graph(
         profile's estimates where it has enough of them.
     """
     outputs = _flatten_keys(keys)
-    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
-
-    def follow(k: Any) -> Any:
-        seen = 0
-        while k in aliases and seen < 1000:
-            k, seen = aliases[k], seen + 1
-        return k
-
     # an alias's final target, looked up in one dict access on the hot path
-    targets = {a: follow(a) for a in aliases}
-    resolve = targets.get
+    resolve = alias_targets(dsk).get
 
     order = _toposort(dsk)
     width = Counter(k[0] if isinstance(k, tuple) else k for k, v in dsk.items() if type(v) is Task)

@@ -23,7 +23,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -431,13 +431,21 @@ def load_profile(spec: str | os.PathLike | Mapping[str, Any] | None = None) -> P
 # ---------------------------------------------------------------------------------------------
 # Local CPU measurement
 # ---------------------------------------------------------------------------------------------
-def _best_seconds(fn, repeat: int = 5) -> float:
-    fn()  # warm-up (allocation, BLAS thread start)
-    best = float("inf")
+def best_seconds(fn: Callable[[], Any], *, repeat: int = 5, budget_s: float = 1.0,
+                 sync: Callable[[], None] = lambda: None) -> float:
+    """Best of ``repeat`` timed calls after one warm-up call (stopping early past a budget).
+    ``sync`` waits for asynchronous work (a CUDA stream) before the clock stops."""
+    fn()
+    sync()
+    best, spent = float("inf"), 0.0
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
+        sync()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+        if spent > budget_s:
+            break
     return max(best, 1e-9)
 
 
@@ -452,7 +460,7 @@ def measure_local_cpu() -> dict[str, Any]:
     from eugo_dask.cost_model import UFUNC_WEIGHTS
 
     big = np.ones(1 << 23)  # 64 MB: past the caches, as Dask chunks are
-    add_s = _best_seconds(lambda out=np.empty_like(big): np.add(big, 1.0, out=out), repeat=3)
+    add_s = best_seconds(lambda out=np.empty_like(big): np.add(big, 1.0, out=out), repeat=3)
     bandwidth = 2 * big.nbytes / add_s  # read + write traffic
     n = 1 << 20
     x32 = np.random.default_rng(0).random(n, dtype=np.float32)
@@ -460,17 +468,17 @@ def measure_local_cpu() -> dict[str, Any]:
     flops = {}
     for dtype, x in (("float32", x32), ("float64", x64)):
         out = np.empty_like(x)
-        sin_s = _best_seconds(lambda x=x, out=out: np.sin(x, out=out))
+        sin_s = best_seconds(lambda x=x, out=out: np.sin(x, out=out))
         flops[dtype] = UFUNC_WEIGHTS["sin"] * n / sin_s
     matmul = {}
     for dtype in ("float32", "float64"):
         m = np.random.default_rng(1).random((384, 384)).astype(dtype)
-        matmul[dtype] = 2 * 384**3 / _best_seconds(lambda m=m: m @ m)
+        matmul[dtype] = 2 * 384**3 / best_seconds(lambda m=m: m @ m)
     fft = {}
     for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
         z = (np.random.default_rng(2).random((256, 256)) + 0j).astype(ctype)
-        fft[dtype] = 5 * z.size * np.log2(z.size) / _best_seconds(lambda z=z: np.fft.fft2(z))
-    overhead = _best_seconds(lambda: np.add(x32[:8], 1), repeat=50)
+        fft[dtype] = 5 * z.size * np.log2(z.size) / best_seconds(lambda z=z: np.fft.fft2(z))
+    overhead = best_seconds(lambda: np.add(x32[:8], 1), repeat=50)
     return {
         "name": platform.processor() or platform.machine() or "local-cpu",
         "source": f"measured {time.strftime('%Y-%m-%d')} on {platform.node()} (quick)",

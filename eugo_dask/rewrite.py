@@ -38,7 +38,7 @@ from eugo_dask.cost_model import (
     classify_func,
 )
 from eugo_dask.devices import device_dtype_ok
-from eugo_dask.planner import ChunkInfo, Plan
+from eugo_dask.planner import ChunkInfo, Plan, alias_targets
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
@@ -279,12 +279,10 @@ def rewrite_graph(
     """Apply ``plan`` to ``dsk`` (task-spec nodes): see the module docstring."""
     out = dict(dsk)
     gpu = set(plan.gpu_keys)
-    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
+    targets = alias_targets(dsk)
 
     def resolve(k: Any) -> Any:
-        while k in aliases:
-            k = aliases[k]
-        return k
+        return targets.get(k, k)
 
     roles: dict[Any, tuple] = {}
     h2d: dict[Any, Any] = {}
@@ -331,8 +329,7 @@ def rewrite_graph(
         else:
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
-    for key, target in aliases.items():
-        source = resolve(target)
+    for key, source in targets.items():
         if source in gpu and not plan.needs_host(source):
             del out[key]
     return annotated_graph(out, TaskRoles(roles, resource))
