@@ -122,6 +122,28 @@ _DEVICE_PRESETS = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-
                    ("A100", "a100"), ("L4", "l4"), ("T4", "t4"))
 
 
+def cluster_profile() -> Any:
+    """This process's ``eugo.cluster-profile``: the profile a scheduler plans with when a
+    client asks for ``auto``. A profile spec or a list of them, the first usable one winning (a
+    preset or a mapping always is; a path once the file exists). None where unset or where no
+    candidate is usable yet."""
+    from eugo_dask.profile import PRESETS as presets
+
+    value = dask.config.get("eugo.cluster-profile", None)
+    if value is None:
+        return None
+    candidates = value if isinstance(value, (list, tuple)) else [value]
+    for candidate in candidates:
+        if isinstance(candidate, str) and candidate not in presets and candidate != "auto":
+            if os.path.exists(candidate):
+                return candidate
+            continue
+        if candidate == "auto":
+            continue
+        return candidate
+    return None
+
+
 def resolve_profile(profile: Any, device: str) -> Any:
     """``auto`` -> the preset matching the local CUDA device (h200 for the emulated device or
     an unknown GPU); anything else is returned as given."""

@@ -31,7 +31,7 @@ from dask._task_spec import GraphNode, convert_legacy_graph
 from dask.array.optimization import optimize as dask_array_optimize
 from dask.utils import ensure_dict
 
-from eugo_dask.config import Settings, read_settings, resolve_profile
+from eugo_dask.config import Settings, cluster_profile, read_settings, resolve_profile
 from eugo_dask.planner import ChunkInfo, Plan, plan_graph
 from eugo_dask.profile import load_profile
 from eugo_dask.history import ensure_local_timing, expect, get_history
@@ -59,7 +59,12 @@ def _current_settings() -> Settings:
     frozen = _submitted.get()
     if frozen is None:  # a local scheduler: this machine's devices
         return read_settings().resolved()
-    # submitted to a distributed scheduler: plan for the cluster's workers
+    # submitted to a distributed scheduler: plan for the cluster's workers, with the cluster's
+    # own profile where the client left it to us (eugo.profile: auto)
+    if frozen.profile == "auto":
+        cluster = cluster_profile()
+        if cluster is not None:
+            frozen = Settings(**{**frozen.to_dict(), "profile": cluster})
     return frozen.resolved(gpu_workers=_cluster_has_gpu_workers(frozen.resource))
 
 
@@ -144,19 +149,41 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
     The graph unchanged where no device is usable (``eugo.device``) or nothing pays; otherwise a
     HighLevelGraph whose GPU and transfer tasks carry a ``resources`` annotation.
     """
-    settings = _current_settings()
+    settings = _current_settings()  # bad settings raise: the user must hear of them
     if settings.device == "none":
         return dsk
-    chunks = ChunkInfo.from_graph(dsk)
-    if chunk_info is not None:
-        chunks = chunk_info.merge(chunks)
-    graph = _task_spec_dict(dsk)
-    if any(_may_be_ours(k) for k in graph):
-        # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
-        # placement, restore the annotations Dask's fusion dropped.
-        return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
-    with _gc_paused():
-        return _place(dsk, graph, keys, chunks, settings)
+    try:
+        chunks = ChunkInfo.from_graph(dsk)
+        if chunk_info is not None:
+            chunks = chunk_info.merge(chunks)
+        graph = _task_spec_dict(dsk)
+        if any(_may_be_ours(k) for k in graph):
+            # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
+            # placement, restore the annotations Dask's fusion dropped.
+            return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
+        with _gc_paused():
+            out = _place(dsk, graph, keys, chunks, settings)
+    except Exception:
+        # placement is a performance decision: a failure to make one runs the graph unchanged
+        _pass_stats["pass_errors"] += 1
+        if not _pass_stats["errors_logged"]:
+            logger.exception("eugo: the pass failed; this graph runs unchanged on the CPU "
+                             "(later failures are counted, not logged)")
+        _pass_stats["errors_logged"] += 1
+        return dsk
+    _pass_stats["graphs_planned"] += 1
+    if out is not dsk:
+        _pass_stats["graphs_rewritten"] += 1
+    return out
+
+
+_pass_stats = {"graphs_planned": 0, "graphs_rewritten": 0, "pass_errors": 0, "errors_logged": 0}
+
+
+def pass_stats() -> dict[str, int]:
+    """Counters of the pass in this process: graphs planned, graphs rewritten, and failures
+    of the pass (each of which ran its graph unchanged)."""
+    return {k: v for k, v in _pass_stats.items() if k != "errors_logged"}
 
 
 @contextlib.contextmanager
@@ -175,7 +202,8 @@ def _gc_paused() -> Iterator[None]:
 def _place(dsk: Any, graph: dict, keys: Any, chunks: ChunkInfo, settings: Settings) -> Any:
     graph = split_mixed_tasks(graph, chunks)
     plan = make_plan(graph, keys, chunks, settings)
-    recent_plans.append({"time": time.time(), "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
+    recent_plans.append({"time": time.time(), "profile": plan.profile_name,
+                         "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
                          **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
     if settings.learn:
         _expect_timings(plan, settings)

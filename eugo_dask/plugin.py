@@ -35,6 +35,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
+from eugo_dask.optimization import recent_plans
 from eugo_dask.history import pending as history_pending
 from eugo_dask.rewrite import (
     CPU_ROLE,
@@ -285,6 +286,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "prefixes": {p: s.to_dict() for p, s in self.prefixes.items()},
             "warnings": list(self.warnings),
             "errors": self.errors,
+            "plans": [dict(p) for p in recent_plans],
         }
 
 

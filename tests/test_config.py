@@ -92,3 +92,14 @@ def test_cupy_device_without_cupy_says_how_to_install():
                 read_settings().resolved()
     else:  # pragma: no cover - machines with CuPy
         pytest.skip("CuPy is installed here")
+
+
+def test_cluster_profile_first_usable_candidate(tmp_path):
+    from eugo_dask.config import cluster_profile
+
+    assert cluster_profile() is None  # unset by default
+    calibrated = tmp_path / "calibrated.yaml"
+    with dask.config.set({"eugo.cluster-profile": [str(calibrated), "l4"]}):
+        assert cluster_profile() == "l4"  # the calibration has not written its file yet
+        calibrated.write_text("base: t4\n")
+        assert cluster_profile() == str(calibrated)
