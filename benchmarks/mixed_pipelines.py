@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import dask.array as da
@@ -84,9 +85,9 @@ def main() -> None:
             result = compute_eugo(build, args.profile)
             np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
             stats = eugo_dask.device_stats()
-            cpu_s = best_of(lambda: compute_plain(build))
-            eugo_s = best_of(lambda: compute_eugo(build, args.profile))
-            naive = best_of(lambda: naive_all_gpu(build)) if has_gpu() else NOT_MEASURED
+            cpu_s = best_of(partial(compute_plain, build))
+            eugo_s = best_of(partial(compute_eugo, build, args.profile))
+            naive = best_of(partial(naive_all_gpu, build)) if has_gpu() else NOT_MEASURED
             print(f"{name:<40} {len(plan.gpu_keys):>5} of {len(plan):<5} {fmt(cpu_s):>10} "
                   f"{fmt(eugo_s):>10} {eugo_s / cpu_s:>9.2f} {fmt(naive):>14}  "
                   f"{stats['h2d_bytes'] / 1e6:.1f} MB / {stats['d2h_bytes'] / 1e6:.1f} MB")

@@ -27,8 +27,8 @@ import dask.array as da
 import numpy as np
 from dask.array.optimization import optimize as dask_optimize
 
+from eugo_dask.graph import ChunkInfo
 from eugo_dask.optimization import eugo
-from eugo_dask.planner import ChunkInfo
 
 
 def pipeline(blocks: int):

@@ -17,8 +17,10 @@ import sys
 
 import numpy as np
 
-from eugo_dask.calibrate import FULL_SIZES, QUICK_SIZES, best_seconds, calibrate
-from eugo_dask.cost_model import ArraySpec, Op, estimate_task
+from eugo_dask.calibrate import calibrate
+from eugo_dask.cost_model import Op, estimate_task
+from eugo_dask.graph import ArraySpec
+from eugo_dask.measure import FULL_SIZES, QUICK_SIZES, best_seconds
 from eugo_dask.profile import load_profile
 
 RNG = np.random.default_rng(1)

@@ -18,8 +18,7 @@ from pathlib import Path
 import dask
 import dask.array as da
 import numpy as np
-from _common import (NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has_gpu,
-                     naive_all_gpu)
+from _common import NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has_gpu, naive_all_gpu
 
 import eugo_dask
 

@@ -1,9 +1,17 @@
 """Configuration: defaults under the ``eugo:`` key of Dask's config, and validated settings.
 
-Defaults live in ``eugo.yaml`` (documented there) with a JSON-schema twin in
-``eugo-schema.yaml``; both are registered with ``dask.config.update_defaults`` at import. Set
-values with ``dask.config.set({"eugo.min-speedup": 3})`` or the environment
-(``DASK_EUGO__MIN_SPEEDUP=3``). Values are read when a graph is optimized, never at import.
+The only module that reads ``eugo.*``. Defaults live in ``eugo.yaml`` (documented there) with a
+JSON-schema twin in ``eugo-schema.yaml``; both are registered with ``dask.config.update_defaults``
+at import. Set values with ``dask.config.set({"eugo.min-speedup": 3})`` or the environment
+(``DASK_EUGO__MIN_SPEEDUP=3``). Values are read when a graph is optimized or a task runs, never at
+import:
+
+- :func:`read_settings` -> :class:`Settings`, everything the pass needs, validated (errors name
+  the key and what is allowed); :meth:`Settings.resolved` turns ``auto`` into a device and a
+  profile;
+- :func:`process_device` and :func:`emulated_memory_limit`: what a worker's own settings allow
+  inside a task;
+- :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``.
 """
 
 from __future__ import annotations
@@ -80,22 +88,39 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
     return number
 
 
-def read_settings() -> Settings:
-    """Read and validate the ``eugo.*`` config now in force."""
-    device = dask.config.get("eugo.device")
+def process_device() -> str:
+    """This process's own ``eugo.device`` (a worker uses a device only where it allows)."""
+    device = dask.config.get("eugo.device", "auto")
     if device not in DEVICES:
         raise ValueError(f"eugo.device must be one of {list(DEVICES)}; got {device!r}")
-    resource = dask.config.get("eugo.resource")
-    if not isinstance(resource, str) or not resource:
-        raise ValueError(f"eugo.resource must be a non-empty worker resource name; got {resource!r}")
-    memory_limit = dask.config.get("eugo.emulated.memory-limit")
+    return device
+
+
+def emulated_memory_limit() -> int:
+    """Capacity of this process's emulated device in bytes (``eugo.emulated.memory-limit``)."""
+    memory_limit = dask.config.get("eugo.emulated.memory-limit", "16 GiB")
     try:
-        memory_limit_bytes = parse_bytes(memory_limit)
+        return parse_bytes(memory_limit)
     except (TypeError, ValueError):
         raise ValueError(
             f"eugo.emulated.memory-limit must be a byte count or size like '16 GiB'; "
             f"got {memory_limit!r}"
         ) from None
+
+
+def read_resource() -> str:
+    """``eugo.resource``: the worker resource GPU tasks request."""
+    resource = dask.config.get("eugo.resource", "GPU")
+    if not isinstance(resource, str) or not resource:
+        raise ValueError(f"eugo.resource must be a non-empty worker resource name; got {resource!r}")
+    return resource
+
+
+def read_settings() -> Settings:
+    """Read and validate the ``eugo.*`` config now in force."""
+    device = process_device()
+    resource = read_resource()
+    memory_limit_bytes = emulated_memory_limit()
     learn = dask.config.get("eugo.learn", False)
     if not isinstance(learn, bool):
         raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
@@ -127,14 +152,12 @@ def cluster_profile() -> Any:
     client asks for ``auto``. A profile spec or a list of them, the first usable one winning (a
     preset or a mapping always is; a path once the file exists). None where unset or where no
     candidate is usable yet."""
-    from eugo_dask.profile import PRESETS as presets
-
     value = dask.config.get("eugo.cluster-profile", None)
     if value is None:
         return None
     candidates = value if isinstance(value, (list, tuple)) else [value]
     for candidate in candidates:
-        if isinstance(candidate, str) and candidate not in presets and candidate != "auto":
+        if isinstance(candidate, str) and candidate not in PRESETS and candidate != "auto":
             if os.path.exists(candidate):
                 return candidate
             continue

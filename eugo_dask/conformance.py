@@ -181,7 +181,8 @@ def compare(plain: dict[str, Any], eugo: dict[str, Any], allowed: dict[str, str]
             only_second: bool = False) -> tuple[list[str], list[str], dict[str, Any]]:
     """(unexplained differences, allowed differences, totals) between two reports;
     ``only_second``: compare only the tests the second run ran (a run over fewer modules)."""
-    unexplained, explained = [], []
+    unexplained: list[str] = []
+    explained: list[str] = []
     base, other = plain["tests"], eugo["tests"]
     if only_second:
         base = {k: v for k, v in base.items() if k in other}

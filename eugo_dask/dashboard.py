@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from eugo_dask.optimization import recent_plans
+
 logger = logging.getLogger(__name__)
 
 ROUTE = "/eugo"
@@ -26,30 +28,38 @@ ROUTE = "/eugo"
 class EugoDashboard:
     """The page's Bokeh components and their periodic update."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Any) -> None:
         from bokeh.layouts import column, row
-        from bokeh.models import ColumnDataSource, DataTable, Div, HoverTool, TableColumn
+        from bokeh.models import ColumnDataSource, FactorRange, HoverTool
+        from bokeh.models.widgets import DataTable, Div, TableColumn
         from bokeh.plotting import figure
 
+        self.scheduler = scheduler
         self.tasks = ColumnDataSource({"prefix": [], "gpu": [], "cpu": []})
         self.transfers = ColumnDataSource({"prefix": [], "mb": [], "direction": [], "color": []})
         self.seconds = ColumnDataSource({"prefix": [], "predicted": [], "actual": []})
         self.whatif = ColumnDataSource({"run": [], "all_cpu": [], "all_gpu": [], "as_chosen": []})
         self.fallbacks = ColumnDataSource({"reason": [], "count": []})
 
-        self.tasks_fig = figure(title="Tasks by device, per prefix", y_range=[], height=320,
+        self.task_prefixes = FactorRange()
+        self.transfer_prefixes = FactorRange()
+        self.timed_prefixes = FactorRange()
+        self.tasks_fig = figure(title="Tasks by device, per prefix", y_range=self.task_prefixes,
+                                height=320,
                                 sizing_mode="stretch_width", toolbar_location=None,
                                 name="eugo-tasks")
         self.tasks_fig.hbar_stack(["gpu", "cpu"], y="prefix", height=0.7, source=self.tasks,
                                   color=["#76b900", "#5f7f9f"], legend_label=["GPU", "CPU"])
         self.tasks_fig.add_tools(HoverTool(tooltips=[("prefix", "@prefix"), ("GPU", "@gpu"),
                                                      ("CPU", "@cpu")]))
-        self.transfer_fig = figure(title="MB copied, per transfer prefix", y_range=[],
+        self.transfer_fig = figure(title="MB copied, per transfer prefix",
+                                   y_range=self.transfer_prefixes,
                                    height=320, sizing_mode="stretch_width",
                                    toolbar_location=None, name="eugo-transfers")
         self.transfer_fig.hbar(y="prefix", right="mb", height=0.7, color="color",
                                legend_field="direction", source=self.transfers)
-        self.seconds_fig = figure(title="Predicted vs measured seconds, per prefix", x_range=[],
+        self.seconds_fig = figure(title="Predicted vs measured seconds, per prefix",
+                                  x_range=self.timed_prefixes,
                                   height=320, sizing_mode="stretch_width",
                                   toolbar_location=None, name="eugo-seconds")
         self.seconds_fig.scatter(x="prefix", y="predicted", size=11, color="#f28e2b",
@@ -79,27 +89,24 @@ class EugoDashboard:
         )
 
     def update(self) -> None:
-        from eugo_dask.optimization import recent_plans
-        from eugo_dask.plugin import current_plugin
-
-        plugin = current_plugin()
+        plugin = self.scheduler.plugins.get("eugo")
         prefixes = dict(plugin.prefixes) if plugin is not None else {}
         planned = sorted((p for p, s in prefixes.items() if s.gpu_tasks or s.cpu_tasks),
                          key=lambda p: prefixes[p].gpu_tasks + prefixes[p].cpu_tasks)
         self.tasks.data = {"prefix": planned, "gpu": [prefixes[p].gpu_tasks for p in planned],
                            "cpu": [prefixes[p].cpu_tasks for p in planned]}
-        self.tasks_fig.y_range.factors = planned
+        self.task_prefixes.factors = planned
         moved = [(p, s.h2d_bytes, "host to device", "#f28e2b") if s.h2d_bytes else
                  (p, s.d2h_bytes, "device to host", "#4e79a7")
                  for p, s in prefixes.items() if s.h2d_bytes or s.d2h_bytes]
         self.transfers.data = {"prefix": [m[0] for m in moved], "mb": [m[1] / 1e6 for m in moved],
                                "direction": [m[2] for m in moved], "color": [m[3] for m in moved]}
-        self.transfer_fig.y_range.factors = [m[0] for m in moved]
+        self.transfer_prefixes.factors = [m[0] for m in moved]
         timed = [p for p in planned if prefixes[p].predicted_s or prefixes[p].actual_s]
         self.seconds.data = {"prefix": timed,
                              "predicted": [prefixes[p].predicted_s for p in timed],
                              "actual": [prefixes[p].actual_s for p in timed]}
-        self.seconds_fig.x_range.factors = timed
+        self.timed_prefixes.factors = timed
         runs = list(recent_plans)
         self.whatif.data = {"run": list(range(1, len(runs) + 1)),
                             **{k: [r[k] for r in runs] for k in ("all_cpu", "all_gpu", "as_chosen")}}
@@ -122,7 +129,7 @@ def eugo_doc(scheduler: Any, extra: dict, doc: Any) -> None:
     from distributed.dashboard.components import add_periodic_callback
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    page = EugoDashboard()
+    page = EugoDashboard(scheduler)
     page.update()
     add_periodic_callback(doc, page, 500)
     doc.title = "Dask: Eugo"

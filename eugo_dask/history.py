@@ -32,6 +32,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from eugo_dask.files import cache_dir, machine_id, write_json_atomic
+
 logger = logging.getLogger(__name__)
 
 MIN_SAMPLES = 5
@@ -103,15 +105,14 @@ class RuntimeHistory:
         if self.path is None or not self._dirty:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.to_dict()))
-            tmp.replace(self.path)
+            write_json_atomic(self.path, self.to_dict())
             self._dirty = 0
         except OSError as e:  # a read-only home must not break a computation
             logger.warning("eugo: cannot save runtime history to %s: %s", self.path, e)
 
     def load(self) -> None:
+        if self.path is None:
+            return
         try:
             data = json.loads(self.path.read_text())
             for b in data["buckets"]:
@@ -132,9 +133,8 @@ _PENDING_LIMIT = 2_000_000
 
 
 def default_history_path() -> Path:
-    from eugo_dask.profile import _cpu_cache_path
-
-    return _cpu_cache_path().with_name(_cpu_cache_path().name.replace("cpu-", "history-"))
+    """``~/.cache/eugo-dask/history-<machine>.json``."""
+    return cache_dir() / f"history-{machine_id()}.json"
 
 
 def get_history(path: str | None = None) -> RuntimeHistory:

@@ -1,48 +1,53 @@
 """Prometheus metrics for the scheduler's ``/metrics`` endpoint, all named ``eugo_*``.
 
 distributed serves the process-global ``prometheus_client.REGISTRY`` on ``/metrics``; one
-collector registered there reads the live :class:`~eugo_dask.plugin.EugoSchedulerPlugin` at
-scrape time. It is registered once per process (a second call is a no-op) and a scrape never
-raises: a failure is logged and counted in ``eugo_metrics_errors_total``.
+collector registered there reads, at scrape time, the ``eugo`` plugin of the scheduler that
+registered it (``scheduler.plugins["eugo"]``, however the plugin got there: preload or
+``client.register_plugin``). It is registered once per process (a later call points it at the
+newest scheduler) and a scrape never raises: a failure is logged and counted in
+``eugo_metrics_errors_total``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_registered = False
-_scrape_errors = 0
 
 
 class EugoCollector:
-    """Turns the plugin's counters into metric families at scrape time."""
+    """Turns the eugo plugin's counters into metric families at scrape time."""
+
+    def __init__(self) -> None:
+        self._scheduler: weakref.ref[Any] | None = None
+        self.scrape_errors = 0
+
+    def attach(self, scheduler: Any) -> None:
+        self._scheduler = weakref.ref(scheduler)
 
     def collect(self) -> Iterator[Any]:
-        global _scrape_errors
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         try:
             families = list(self._families(CounterMetricFamily, GaugeMetricFamily))
         except Exception:  # a broken scrape must not break /metrics
-            _scrape_errors += 1
+            self.scrape_errors += 1
             logger.exception("eugo: collecting metrics failed")
             families = []
         errors = CounterMetricFamily("eugo_metrics_errors", "Failed eugo metric collections.")
-        errors.add_metric([], _scrape_errors)
+        errors.add_metric([], self.scrape_errors)
         yield from families
         yield errors
 
-    @staticmethod
-    def _families(counter, gauge) -> Iterator[Any]:
-        from eugo_dask.plugin import current_plugin
-
-        plugin = current_plugin()
+    def _families(self, counter: Any, gauge: Any) -> Iterator[Any]:
+        scheduler = self._scheduler() if self._scheduler is not None else None
+        plugin = scheduler.plugins.get("eugo") if scheduler is not None else None
         if plugin is None:
             return
         tasks = counter("eugo_tasks", "Tasks eugo planned, by the device they ran on and prefix.",
@@ -74,17 +79,22 @@ class EugoCollector:
         yield from (tasks, transfer, fallbacks, predicted, actual, saved, errors)
 
 
-def register_metrics() -> bool:
-    """Register the collector with prometheus_client's default registry, once per process.
+_collector: EugoCollector | None = None
+
+
+def register_metrics(scheduler: Any) -> bool:
+    """Serve the eugo plugin of ``scheduler`` on ``/metrics``: the collector is registered with
+    prometheus_client's default registry once per process.
 
     Returns False where prometheus_client is not installed."""
-    global _registered
+    global _collector
     try:
         from prometheus_client import REGISTRY
     except ImportError:
         return False
     with _lock:
-        if not _registered:
-            REGISTRY.register(EugoCollector())
-            _registered = True
+        if _collector is None:
+            _collector = EugoCollector()
+            REGISTRY.register(_collector)
+        _collector.attach(scheduler)
     return True

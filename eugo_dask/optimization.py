@@ -18,31 +18,33 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import json
+import logging
 import sys
 import time
 from collections import deque
-import json
-import logging
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import dask
-from dask._task_spec import GraphNode, convert_legacy_graph
+from dask._task_spec import GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
-from dask.utils import ensure_dict
 
 from eugo_dask.config import Settings, cluster_profile, read_settings, resolve_profile
-from eugo_dask.planner import ChunkInfo, Plan, plan_graph
-from eugo_dask.profile import load_profile
+from eugo_dask.describe import GraphDescription, describe_graph
+from eugo_dask.graph import ChunkInfo, Key, task_spec_dict
 from eugo_dask.history import ensure_local_timing, expect, get_history
+from eugo_dask.ops import GPU
+from eugo_dask.plan import Plan, place
+from eugo_dask.profile import Profile, load_profile
 from eugo_dask.rewrite import (
     GPU_PREFIX,
     annotated_graph,
     prefixed_key,
     rewrite_graph,
     roles_of_rewritten,
-    split_mixed_tasks,
 )
+from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +70,29 @@ def _current_settings() -> Settings:
     return frozen.resolved(gpu_workers=_cluster_has_gpu_workers(frozen.resource))
 
 
+def _eugo_scheduler() -> Any:
+    """The distributed scheduler this pass runs in, where it has the eugo plugin; None where
+    that cannot be known (no scheduler in this process, or several that have the plugin)."""
+    module = sys.modules.get("distributed.scheduler")  # imported only where one may run
+    if module is None:
+        return None
+    candidates = [s for s in list(module.Scheduler._instances)
+                  if s.status.name == "running" and "eugo" in s.plugins]
+    if len(candidates) > 1:  # several in one process (tests): the one receiving a graph
+        candidates = [s for s in candidates if getattr(s, "_active_graph_updates", 0)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
 def _cluster_has_gpu_workers(resource: str) -> bool | None:
     """Whether the scheduler this pass runs in has workers advertising ``resource`` (None where
     that cannot be known: no eugo scheduler plugin here)."""
-    plugin_module = sys.modules.get("eugo_dask.plugin")  # loaded only where the plugin runs
-    plugin = plugin_module.current_plugin() if plugin_module is not None else None
-    if plugin is None or plugin.scheduler is None:
+    scheduler = _eugo_scheduler()
+    if scheduler is None:
         return None
-    return any(ws.resources.get(resource) for ws in plugin.scheduler.workers.values())
+    return any(ws.resources.get(resource) for ws in list(scheduler.workers.values()))
 
 
-def _task_spec_dict(dsk: Any) -> dict[Any, GraphNode]:
-    graph = ensure_dict(dsk)
-    if all(isinstance(v, GraphNode) for v in graph.values()):
-        return graph
-    return convert_legacy_graph(graph)
-
-
-def _may_be_ours(key: Any) -> bool:
+def _may_be_ours(key: Key) -> bool:
     # eugo's keys (and names Dask's fusion makes from them) carry these words
     name = key[0] if type(key) is tuple else key
     return isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name
@@ -99,23 +106,34 @@ def _device_memory_bytes(settings: Settings, device: str, profile_memory: float)
     return limit * settings.device_memory_fraction
 
 
-def make_plan(
-    graph: Mapping[Any, GraphNode], keys: Any, chunks: ChunkInfo, settings: Settings
-) -> Plan:
-    """Plan ``graph`` (task-spec nodes, already optimized by Dask) under ``settings``."""
-    device = None if settings.device == "none" else settings.device
-    profile = load_profile(resolve_profile(settings.profile, settings.device))
-    return plan_graph(
-        graph,
-        keys,
-        profile=profile,
-        chunks=chunks,
-        min_speedup=settings.min_speedup,
-        device=device,
-        device_memory_bytes=_device_memory_bytes(settings, settings.device,
-                                                 profile.gpu.memory_bytes),
-        history=get_history(settings.history) if settings.learn else None,
-    )
+class _Described(NamedTuple):
+    """A graph split and described, ready to be placed (under one or several settings)."""
+
+    graph: dict[Key, GraphNode]
+    keys: Any
+    description: GraphDescription
+    profile: Profile
+
+    def place(self, settings: Settings) -> Plan:
+        device = None if settings.device == "none" else settings.device
+        return place(self.graph, self.keys, self.description, profile=self.profile,
+                     min_speedup=settings.min_speedup, device=device,
+                     device_memory_bytes=_device_memory_bytes(
+                         settings, settings.device, self.profile.gpu.memory_bytes))
+
+
+def _profile(settings: Settings) -> Profile:
+    """The profile ``settings`` name, loaded (a bad one raises :class:`ProfileError`)."""
+    return load_profile(resolve_profile(settings.profile, settings.device))
+
+
+def _split_and_describe(graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInfo,
+                        settings: Settings, profile: Profile) -> _Described:
+    """The pass's first steps on ``graph`` (task-spec nodes already optimized by Dask): split
+    fused tasks that mix device and host work, then describe every task."""
+    graph = split_mixed_tasks(graph, chunks)
+    history = get_history(settings.history) if settings.learn else None
+    return _Described(graph, keys, describe_graph(graph, chunks, profile, history), profile)
 
 
 def _expect_timings(plan: Plan, settings: Settings) -> None:
@@ -123,7 +141,7 @@ def _expect_timings(plan: Plan, settings: Settings) -> None:
     history = get_history(settings.history)
     ensure_local_timing(history)
     expect({
-        (prefixed_key(d.key, GPU_PREFIX) if d.device == "gpu" else d.key):
+        (prefixed_key(d.key, GPU_PREFIX) if d.device == GPU else d.key):
             (d.op, d.device, d.bytes, history)
         for d in plan
     })
@@ -149,20 +167,22 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
     The graph unchanged where no device is usable (``eugo.device``) or nothing pays; otherwise a
     HighLevelGraph whose GPU and transfer tasks carry a ``resources`` annotation.
     """
-    settings = _current_settings()  # bad settings raise: the user must hear of them
+    # bad settings raise: the user must hear of them
+    settings = _current_settings()
     if settings.device == "none":
         return dsk
+    profile = _profile(settings)
     try:
         chunks = ChunkInfo.from_graph(dsk)
         if chunk_info is not None:
             chunks = chunk_info.merge(chunks)
-        graph = _task_spec_dict(dsk)
+        graph = task_spec_dict(dsk)
         if any(_may_be_ours(k) for k in graph):
             # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
             # placement, restore the annotations Dask's fusion dropped.
             return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
         with _gc_paused():
-            out = _place(dsk, graph, keys, chunks, settings)
+            out = _plan_and_rewrite(dsk, graph, keys, chunks, settings, profile)
     except Exception:
         # placement is a performance decision: a failure to make one runs the graph unchanged
         _pass_stats["pass_errors"] += 1
@@ -199,9 +219,12 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _place(dsk: Any, graph: dict, keys: Any, chunks: ChunkInfo, settings: Settings) -> Any:
-    graph = split_mixed_tasks(graph, chunks)
-    plan = make_plan(graph, keys, chunks, settings)
+def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInfo,
+                      settings: Settings, profile: Profile) -> Any:
+    """split -> describe -> place -> rewrite; ``dsk`` itself where nothing goes to the GPU."""
+    described = _split_and_describe(graph, keys, chunks, settings, profile)
+    plan = described.place(settings)
+    graph = described.graph
     recent_plans.append({"time": time.time(), "profile": plan.profile_name,
                          "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
                          **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
@@ -337,8 +360,9 @@ def explain(collection: Any, **settings: Any) -> Plan:
     graph = collection.__dask_graph__()
     keys = collection.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
-    optimized = split_mixed_tasks(_task_spec_dict(dask_array_optimize(graph, keys)), chunks)
-    plan = make_plan(optimized, keys, chunks, current)
-    all_gpu = make_plan(optimized, keys, chunks, Settings(**{**current.to_dict(), "min_speedup": 0.0}))
+    optimized = task_spec_dict(dask_array_optimize(graph, keys))
+    described = _split_and_describe(optimized, keys, chunks, current, _profile(current))
+    plan = described.place(current)
+    all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
     return plan

@@ -30,13 +30,14 @@ from collections import Counter, defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dask
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from eugo_dask.config import read_resource
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
-from eugo_dask.optimization import recent_plans
 from eugo_dask.history import pending as history_pending
+from eugo_dask.metrics import register_metrics
+from eugo_dask.optimization import recent_plans
 from eugo_dask.rewrite import (
     CPU_ROLE,
     DEVICE_ROLES,
@@ -69,7 +70,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     idempotent = True
 
     def __init__(self, *, resource: str | None = None) -> None:
-        self.resource = resource if resource is not None else dask.config.get("eugo.resource", "GPU")
+        self.resource = resource if resource is not None else read_resource()
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
         self.host_keys: set = set()  # aggregation / finalize / I/O not finished yet
@@ -81,8 +82,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.saved_s = 0.0
         self._estimates: dict[Any, tuple[float, float]] = {}
         #: (key, role, worker name) of recent eugo tasks, as the scheduler ran them
-        self.placements: deque[tuple[Any, str, str]] = deque(maxlen=100_000)
-        _instances.append(self)
+        self.placements: deque[tuple[Any, str | None, str | None]] = deque(maxlen=100_000)
 
     @property
     def bytes_h2d(self) -> int:
@@ -95,9 +95,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        from eugo_dask.metrics import register_metrics
-
-        self._guard("metrics", register_metrics)
+        self._guard("metrics", register_metrics, scheduler)
 
     def _guard(self, what: str, fn, *args: Any) -> None:
         try:
@@ -236,7 +234,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         role = (ts.annotations or {}).get("eugo", {}).get("role")
         stats = self.prefixes[ts.prefix.name]
         ws = scheduler.workers.get(worker) if worker is not None else None
-        self.placements.append((key, role, ws.name if ws is not None else worker))
+        self.placements.append((key, role, str(ws.name) if ws is not None else worker))
         if role == TODEVICE_ROLE:
             stats.h2d_bytes += ts.nbytes
             return
@@ -310,18 +308,6 @@ class PrefixStats:
 
 def _compute_seconds(startstops: Any) -> float:
     return sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
-
-
-#: Plugin instances in this process (the dashboard page and /metrics read the live one).
-_instances: list[EugoSchedulerPlugin] = []
-
-
-def current_plugin() -> EugoSchedulerPlugin | None:
-    """The most recently started plugin of this process that is attached to a scheduler."""
-    for plugin in reversed(_instances):
-        if plugin.scheduler is not None:
-            return plugin
-    return None
 
 
 def dask_setup(scheduler: Scheduler) -> None:

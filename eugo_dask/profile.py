@@ -8,29 +8,31 @@ A profile is selected with ``dask.config.set({"eugo.profile": NAME_OR_PATH_OR_DI
 - a dict in the same format; ``base: PRESET`` starts from a preset and overrides its fields.
 
 A profile's ``cpu`` section is a dict, the name of a CPU preset (``server-x86``), or absent, in
-which case the local CPU is measured once (under a second) and cached per machine. The format is
-documented in the README; :func:`validate_profile_dict` checks it and names what is wrong.
+which case the local CPU is measured once (under a second, :mod:`eugo_dask.measure`) and cached
+per machine. The format is documented in the README; :func:`validate_profile_dict` checks it and
+names what is wrong.
 
-This module holds data and loading only; what the numbers mean for a task is the cost model's job.
+This module holds data, validation and loading only; what the numbers mean for a task is the cost
+model's job.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import os
-import platform
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import yaml
+
+from eugo_dask.measure import cached_local_cpu
+from eugo_dask.ops import UFUNC_CLASS
 
 #: GPU presets shipped with the package (spec-sheet figures).
 PRESETS = ("a100", "h100-pcie", "h100-sxm", "h200", "l4", "t4")
@@ -145,8 +147,6 @@ class CPUProfile:
     def elementwise_seconds(self, ufunc: str, dtype: np.dtype, n: int) -> float | None:
         """Calibrated seconds per element for ``ufunc``'s class at ``dtype`` and ``n`` elements,
         or None where not measured."""
-        from eugo_dask.cost_model import UFUNC_CLASS
-
         return _lookup(self.elementwise_s_per_element, dtype, UFUNC_CLASS.get(ufunc, ""), n)
 
     #: measured seconds per element of a sum by dtype and size (calibrate)
@@ -187,8 +187,6 @@ class Profile:
     cpu: CPUProfile
 
     def to_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -297,7 +295,7 @@ def validate_profile_dict(data: Any, *, require_cpu: bool = True) -> None:
 # Loading
 # ---------------------------------------------------------------------------------------------
 def _read_packaged(filename: str) -> dict[str, Any]:
-    text = resources.files("eugo_dask").joinpath("profiles", filename).read_text()
+    text = resources.files("eugo_dask").joinpath("profiles").joinpath(filename).read_text()
     return yaml.safe_load(text)
 
 
@@ -366,11 +364,16 @@ def _rates(data: Mapping[str, float]) -> Rates:
     )
 
 
-_CONVERTERS = {"str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates,
-               "class-rates": lambda table: {
-                   d: {name: ([tuple(p) for p in v] if isinstance(v, list) else v)
-                       for name, v in c.items()}
-                   for d, c in table.items()}}
+def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {dtype: {name: ([tuple(p) for p in v] if isinstance(v, list) else v)
+                    for name, v in classes.items()}
+            for dtype, classes in table.items()}
+
+
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates,
+    "class-rates": _class_rates,
+}
 
 
 def _section(cls: type, data: Mapping[str, Any], fields: Mapping[str, str]) -> Any:
@@ -399,7 +402,7 @@ def _load_cached(frozen: str, mtime_ns: int | None) -> Profile:
     data = profile_dict(spec)
     cpu = data.get("cpu")
     if cpu is None:
-        cpu_data = local_cpu_profile()
+        cpu_data = cached_local_cpu(accept=_valid_cpu_section)
     elif isinstance(cpu, str):
         cpu_data = _read_packaged(f"{cpu}.cpu.yaml")
     else:
@@ -407,12 +410,16 @@ def _load_cached(frozen: str, mtime_ns: int | None) -> Profile:
     return _build(data, cpu_data)
 
 
-def load_profile(spec: str | os.PathLike | Mapping[str, Any] | None = None) -> Profile:
-    """Load the profile ``spec`` (default: the ``eugo.profile`` config value)."""
-    if spec is None:
-        import dask
+def _valid_cpu_section(data: dict[str, Any]) -> bool:
+    try:
+        _check_section("cpu", data, _CPU_FIELDS)
+    except ProfileError:
+        return False
+    return True
 
-        spec = dask.config.get(_CONFIG_KEY)
+
+def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
+    """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc)."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     try:
@@ -426,98 +433,3 @@ def load_profile(spec: str | os.PathLike | Mapping[str, Any] | None = None) -> P
         except OSError:
             pass  # profile_dict names the problem
     return _load_cached(frozen, mtime_ns)
-
-
-# ---------------------------------------------------------------------------------------------
-# Local CPU measurement
-# ---------------------------------------------------------------------------------------------
-def best_seconds(fn: Callable[[], Any], *, repeat: int = 5, budget_s: float = 1.0,
-                 sync: Callable[[], None] = lambda: None) -> float:
-    """Best of ``repeat`` timed calls after one warm-up call (stopping early past a budget).
-    ``sync`` waits for asynchronous work (a CUDA stream) before the clock stops."""
-    fn()
-    sync()
-    best, spent = float("inf"), 0.0
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-        if spent > budget_s:
-            break
-    return max(best, 1e-9)
-
-
-def measure_local_cpu() -> dict[str, Any]:
-    """Measure this machine's CPU rates in well under a second (one thread, except BLAS).
-
-    Elementwise ``flops_per_s`` is in the cost model's flop-equivalents: ``np.sin`` counts as
-    :data:`eugo_dask.cost_model.UFUNC_WEIGHTS` ``["sin"]`` per element.
-    """
-    from dask.system import CPU_COUNT
-
-    from eugo_dask.cost_model import UFUNC_WEIGHTS
-
-    big = np.ones(1 << 23)  # 64 MB: past the caches, as Dask chunks are
-    add_s = best_seconds(lambda out=np.empty_like(big): np.add(big, 1.0, out=out), repeat=3)
-    bandwidth = 2 * big.nbytes / add_s  # read + write traffic
-    n = 1 << 20
-    x32 = np.random.default_rng(0).random(n, dtype=np.float32)
-    x64 = x32.astype(np.float64)
-    flops = {}
-    for dtype, x in (("float32", x32), ("float64", x64)):
-        out = np.empty_like(x)
-        sin_s = best_seconds(lambda x=x, out=out: np.sin(x, out=out))
-        flops[dtype] = UFUNC_WEIGHTS["sin"] * n / sin_s
-    matmul = {}
-    for dtype in ("float32", "float64"):
-        m = np.random.default_rng(1).random((384, 384)).astype(dtype)
-        matmul[dtype] = 2 * 384**3 / best_seconds(lambda m=m: m @ m)
-    fft = {}
-    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
-        z = (np.random.default_rng(2).random((256, 256)) + 0j).astype(ctype)
-        fft[dtype] = 5 * z.size * np.log2(z.size) / best_seconds(lambda z=z: np.fft.fft2(z))
-    overhead = best_seconds(lambda: np.add(x32[:8], 1), repeat=50)
-    return {
-        "name": platform.processor() or platform.machine() or "local-cpu",
-        "source": f"measured {time.strftime('%Y-%m-%d')} on {platform.node()} (quick)",
-        "threads": int(CPU_COUNT),
-        "memory_bandwidth_bytes_per_s": bandwidth,
-        "flops_per_s": flops,
-        "matmul_flops_per_s": matmul,
-        "fft_flops_per_s": fft,
-        "task_overhead_s": max(overhead, 1e-6),
-    }
-
-
-def _cpu_cache_path() -> Path:
-    from dask.system import CPU_COUNT
-
-    ident = "|".join([platform.node(), platform.machine(), platform.processor(), str(CPU_COUNT),
-                      np.__version__])
-    digest = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "eugo-dask" / f"cpu-{digest}.json"
-
-
-@functools.lru_cache(maxsize=1)
-def local_cpu_profile() -> dict[str, Any]:
-    """The local CPU's profile section: read from the per-machine cache, else measured and
-    cached."""
-    path = _cpu_cache_path()
-    try:
-        data = json.loads(path.read_text())
-        _check_section("cpu", data, _CPU_FIELDS)
-        return data
-    except (OSError, ValueError):
-        pass
-    data = measure_local_cpu()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
-    except OSError:  # read-only home: measure again next process
-        pass
-    return data

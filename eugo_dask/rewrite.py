@@ -20,26 +20,18 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final, Literal
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef, _execute_subgraph
+from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
-from dask.base import tokenize
 from dask.utils import key_split
 
-from eugo_dask.cost_model import (
-    AGGREGATE,
-    GPU_FAMILIES,
-    IO,
-    SOURCE_FAMILIES,
-    UNKNOWN,
-    classify_func,
-)
-from eugo_dask.devices import device_dtype_ok
-from eugo_dask.planner import ChunkInfo, Plan, alias_targets
+from eugo_dask.graph import Graph, Key, alias_targets, fused
+from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_func, device_dtype_ok
+from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
+from eugo_dask.unfuse import task_families
 
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
 GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
@@ -74,10 +66,19 @@ def prefixed_key(key: Any, prefix: str) -> Any:
     return _prefixed_name(str(key), prefix)
 
 
-#: Roles of tasks in a rewritten graph, carried to the scheduler in the ``eugo`` annotation.
-GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE, HOST_ROLE, CPU_ROLE = "gpu", "todevice", "tohost", "host", "cpu"
+#: What a task of a rewritten graph is, carried to the scheduler in the ``eugo`` annotation:
+#: device work, a copy to or from the device, host work that belongs on CPU workers
+#: (aggregation, ``finalize``, I/O), or other work the plan kept on the CPU.
+Role = Literal["gpu", "todevice", "tohost", "host", "cpu"]
+GPU_ROLE: Final = "gpu"
+TODEVICE_ROLE: Final = "todevice"
+TOHOST_ROLE: Final = "tohost"
+HOST_ROLE: Final = "host"
+CPU_ROLE: Final = "cpu"
 #: Roles that need the GPU resource (device work and the copies on either side of it).
-DEVICE_ROLES = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
+DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
+#: A task's role with the estimates behind it: (role, CPU seconds, seconds as chosen).
+RoleEntry = tuple[Role, float | None, float | None]
 
 
 class TaskRoles:
@@ -89,8 +90,8 @@ class TaskRoles:
     workers. Keys with no role get None, which the scheduler ignores.
     """
 
-    def __init__(self, roles: dict[Any, tuple], resource: str) -> None:
-        self.roles = roles  # key -> (role, estimated CPU s, estimated chosen s)
+    def __init__(self, roles: dict[Key, RoleEntry], resource: str) -> None:
+        self.roles = roles
         self.resource = resource
 
     def resources(self, key: Any) -> dict[str, int] | None:
@@ -120,16 +121,16 @@ class _Lookup:
         return (_Lookup, (self.roles, self.method))
 
 
-def annotated_graph(dsk: Mapping[Any, GraphNode], roles: TaskRoles) -> HighLevelGraph:
+def annotated_graph(dsk: Graph, roles: TaskRoles) -> HighLevelGraph:
     """One-layer HighLevelGraph annotated with ``roles``."""
     name = f"eugo-{uuid.uuid4().hex}"
     layer = MaterializedLayer(dict(dsk), annotations=roles.annotations())
     return HighLevelGraph({name: layer}, {name: set()})
 
 
-def roles_of_rewritten(dsk: Mapping[Any, GraphNode], resource: str) -> TaskRoles:
+def roles_of_rewritten(dsk: Graph, resource: str) -> TaskRoles:
     """Roles read back from a graph rewritten earlier (its annotations lost to Dask's fusion)."""
-    roles: dict[Any, tuple] = {}
+    roles: dict[Key, RoleEntry] = {}
     for key, node in dsk.items():
         role = _rewritten_role(node)
         if role is not None:
@@ -137,7 +138,7 @@ def roles_of_rewritten(dsk: Mapping[Any, GraphNode], resource: str) -> TaskRoles
     return TaskRoles(roles, resource)
 
 
-def _rewritten_role(node: GraphNode) -> str | None:
+def _rewritten_role(node: GraphNode) -> Role | None:
     if type(node) is not Task:
         return None
     if isinstance(node.func, DeviceCall):
@@ -146,12 +147,11 @@ def _rewritten_role(node: GraphNode) -> str | None:
         return TODEVICE_ROLE
     if node.func is to_host:
         return TOHOST_ROLE
-    if node.func is _execute_subgraph:
-        inner = {_rewritten_role(n) for n in node.args[0].values()} - {None}
-        if inner:  # fused by Dask after the first pass: device work inside
-            return GPU_ROLE
-    families = _families(node)
-    if families & _HOST_FAMILIES and not families & GPU_FAMILIES:
+    parts = fused(node)
+    if parts is not None and any(_rewritten_role(n) for n in parts.inner.values()):
+        return GPU_ROLE  # fused by Dask after the first pass: device work inside
+    families = task_families(node)
+    if families & HOST_FAMILIES and not families & GPU_FAMILIES:
         return HOST_ROLE
     return None
 
@@ -162,110 +162,10 @@ def is_inner_source(node: GraphNode) -> bool:
     if isinstance(node, DataNode):
         value = node.value
         return isinstance(value, np.ndarray) and value.ndim > 0 and device_dtype_ok(value.dtype)
-    return classify_func(node.func)[0] in SOURCE_FAMILIES
+    return type(node) is Task and classify_func(node.func)[0] in SOURCE_FAMILIES
 
 
-_CPU_ONLY = frozenset({AGGREGATE, IO, UNKNOWN})
-#: Families that belong on CPU workers in a cluster.
-_HOST_FAMILIES = frozenset({AGGREGATE, IO})
-
-
-def _families(node: GraphNode) -> set[str]:
-    if type(node) is not Task:
-        return set()
-    if node.func is _execute_subgraph:
-        return set().union(*map(_families, node.args[0].values()))
-    return {classify_func(node.func)[0]}
-
-
-def _is_linear_fusion(node: Task) -> bool:
-    inkeys = node.args[2]
-    return not any(isinstance(k, str) and k.startswith("__dask_blockwise__") for k in inkeys)
-
-
-def split_mixed_tasks(dsk: Mapping[Any, GraphNode], chunks: ChunkInfo) -> dict[Any, GraphNode]:
-    """Undo Dask's fusion where it joined device work with CPU-only work, so each part can be
-    placed on its own.
-
-    - Linear fusion (an I/O read before device work, ``finalize`` or an aggregate after it): the
-      chain's nodes become top-level tasks again under their original keys; the fused key becomes
-      an alias of the chain's last node.
-    - Blockwise fusion of a read into its consumers (``from_array`` of a zarr/h5py-like array
-      into a matmul): each read becomes a top-level task again, under the block's original key
-      where it can be recovered, so a block read by several consumers is read once.
-    """
-    out: dict[Any, GraphNode] | None = None
-    families_of: dict[int, set[str]] = {}
-    templates: dict[int, tuple] = {}
-    for key, node in dsk.items():
-        if not (type(node) is Task and node.func is _execute_subgraph):
-            continue
-        inner = node.args[0]
-        families = families_of.get(id(inner))
-        if families is None:
-            families = families_of[id(inner)] = _families(node)
-        if not (families & GPU_FAMILIES and families & _CPU_ONLY):
-            continue
-        if _is_linear_fusion(node):
-            if out is None:
-                out = dict(dsk)
-            top = node.args[1]
-            out.update(inner)
-            if key != top:
-                out[key] = Alias(key, top)
-        elif IO in families:
-            if id(inner) not in templates:
-                templates[id(inner)] = _read_template(node)
-            if templates[id(inner)] is not None:
-                if out is None:
-                    out = dict(dsk)
-                out.update(_split_reads(key, node, templates[id(inner)], chunks))
-    return dsk if out is None else out
-
-
-def _read_template(node: Task) -> tuple[list, dict] | None:
-    """The reads inside a blockwise-fused task (inner I/O nodes fed only by the task's own
-    arguments) and its inner graph without them."""
-    inner, inkeys = node.args[0], set(node.args[2])
-    reads = [k for k, n in inner.items()
-             if type(n) is Task and classify_func(n.func)[0] == IO and n.dependencies <= inkeys]
-    if not reads:
-        return None
-    return reads, {k: n for k, n in inner.items() if k not in reads}
-
-
-def _split_reads(key: Any, node: Task, template: tuple, chunks: ChunkInfo) -> dict[Any, GraphNode]:
-    reads, remaining = template
-    inner, outkey, inkeys, deps = node.args[0], node.args[1], node.args[2], node.args[3:]
-    bound = {p: (d.key if type(d) is TaskRef else d) for p, d in zip(inkeys, deps)}
-    used = set().union(*(n.dependencies for n in remaining.values()))
-    kept = [(p, d) for p, d in zip(inkeys, deps) if p in used]  # drop what only reads used
-    new_inkeys, new_deps = [p for p, _ in kept], [d for _, d in kept]
-    tasks: dict[Any, GraphNode] = {}
-    for inner_key in reads:
-        read = inner[inner_key].substitute(bound)
-        read_key = _read_key(inner_key, read, chunks)
-        tasks[read_key] = Task(read_key, read.func, *read.args, **read.kwargs)
-        new_inkeys.append(inner_key)
-        new_deps.append(TaskRef(read_key))
-    tasks[key] = Task(key, _execute_subgraph, remaining, outkey, tuple(new_inkeys), *new_deps)
-    return tasks
-
-
-def _read_key(inner_key: str, read: Task, chunks: ChunkInfo) -> Any:
-    """The block's own key (``("array-abc", i, j)``) when the read's slices line up with the
-    array's chunks; otherwise a key made from the read's token."""
-    name = str(inner_key).split("_.")[0]
-    index = next((a.value for a in read.args if isinstance(a, DataNode)
-                  and isinstance(a.value, tuple) and all(isinstance(i, slice) for i in a.value)),
-                 None)
-    block = chunks.block_of(name, index) if index is not None else None
-    if block is not None:
-        return (name, *block)
-    return (name, tokenize(read.func, read.args, read.kwargs))
-
-
-def _substituted(arg: Any, subs: dict) -> Any:
+def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
     if type(arg) is TaskRef:
         return TaskRef(subs[arg.key]) if arg.key in subs else arg
     if isinstance(arg, GraphNode):
@@ -273,22 +173,20 @@ def _substituted(arg: Any, subs: dict) -> Any:
     return arg
 
 
-def rewrite_graph(
-    dsk: Mapping[Any, GraphNode], plan: Plan, *, device: str, resource: str
-) -> HighLevelGraph:
+def rewrite_graph(dsk: Graph, plan: Plan, *, device: str, resource: str) -> HighLevelGraph:
     """Apply ``plan`` to ``dsk`` (task-spec nodes): see the module docstring."""
     out = dict(dsk)
     gpu = set(plan.gpu_keys)
     targets = alias_targets(dsk)
 
-    def resolve(k: Any) -> Any:
+    def resolve(k: Key) -> Key:
         return targets.get(k, k)
 
-    roles: dict[Any, tuple] = {}
-    h2d: dict[Any, Any] = {}
-    inner_on_device: dict[int, dict] = {}
+    roles: dict[Key, RoleEntry] = {}
+    h2d: dict[Key, Key] = {}
+    inner_on_device: dict[int, dict[Key, GraphNode]] = {}
 
-    def device_input(dep: Any) -> Any:
+    def device_input(dep: Key) -> Key:
         source = resolve(dep)
         if source in gpu:
             return prefixed_key(source, GPU_PREFIX)
@@ -300,8 +198,8 @@ def rewrite_graph(
 
     for decision in plan:
         key = decision.key
-        if decision.device != GPU_ROLE:
-            role = HOST_ROLE if decision.op in _HOST_FAMILIES else CPU_ROLE
+        if decision.device != GPU:
+            role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
         node = dsk[key]
@@ -309,8 +207,9 @@ def rewrite_graph(
         subs = {d: device_input(d) for d in node.dependencies}
         args = tuple(_substituted(a, subs) for a in node.args)
         kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()}
-        if node.func is _execute_subgraph:
-            inner = args[0]  # shared by every chunk of a blockwise layer: rewrite it once
+        parts = fused(node)
+        if parts is not None:
+            inner = parts.inner  # shared by every chunk of a blockwise layer: rewrite it once
             if id(inner) not in inner_on_device:
                 inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
             args = (inner_on_device[id(inner)], *args[1:])

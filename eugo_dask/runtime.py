@@ -24,10 +24,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from dask._task_spec import DataNode, Task, _execute_subgraph
+from dask._task_spec import DataNode, Task
 from dask.utils import funcname
 
-from eugo_dask.devices import Device, _stats, device_dtype_ok, get_device
+from eugo_dask.config import emulated_memory_limit, process_device
+from eugo_dask.devices import CupyDevice, Device, _stats, cupy_device_count, import_cupy
+from eugo_dask.emulated import EmulatedDevice, set_rebuild_device
+from eugo_dask.graph import Fused, fused
+from eugo_dask.ops import device_dtype_ok
 
 logger = logging.getLogger(__name__)
 _task_logger = logging.getLogger(__name__ + ".tasks")
@@ -39,6 +43,49 @@ _logged_prefixes: set[str] = set()
 EVENT_TOPIC = "eugo"
 
 
+# ---------------------------------------------------------------------------------------------
+# The devices of this process
+# ---------------------------------------------------------------------------------------------
+_devices: dict[tuple[str, int], Device] = {}
+_devices_lock = threading.Lock()
+
+
+def get_device(name: str) -> Device | None:
+    """The device called ``name`` in this process, or None where it is not usable here.
+
+    Tasks call this at run time: a GPU-planned task on a worker without the device runs its
+    CPU path instead.
+    """
+    if name == "emulated":
+        key = (name, emulated_memory_limit())
+    elif name == "cupy":
+        key = (name, 0)
+    else:
+        return None
+    device = _devices.get(key)
+    if device is not None:
+        return device
+    with _devices_lock:
+        if key not in _devices:
+            if name == "emulated":
+                _devices[key] = EmulatedDevice(key[1])
+            elif cupy_device_count():
+                _devices[key] = CupyDevice(import_cupy())
+            else:
+                return None
+        return _devices[key]
+
+
+def _emulated_device() -> EmulatedDevice:
+    device = get_device("emulated")
+    assert isinstance(device, EmulatedDevice)
+    return device
+
+
+# device arrays unpickled in this process arrive on its emulated device
+set_rebuild_device(_emulated_device)
+
+
 def usable_device(name: str) -> Device | None:
     """The device a task planned for ``name`` may use in this process, or None.
 
@@ -46,9 +93,7 @@ def usable_device(name: str) -> Device | None:
     emulated device runs only where ``eugo.device`` is ``emulated`` (a CPU worker does not
     pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device.
     """
-    import dask
-
-    local = dask.config.get("eugo.device", "auto")
+    local = process_device()
     if local == "none" or (name == "emulated") != (local == "emulated"):
         return None
     return get_device(name)
@@ -192,13 +237,14 @@ def _identity(value: Any) -> Any:
 
 def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_name: str) -> dict:
     """Rewrite the inner graph of a fused task so its sources land on the device."""
-    out = {}
+    out: dict[Any, Any] = {}
     for key, node in inner_dsk.items():
+        parts = fused(node)
         if isinstance(node, DataNode) and is_source(node):
             out[key] = Task(key, OnDevice(_identity, device_name), DataNode(None, node.value))
-        elif type(node) is Task and node.func is _execute_subgraph:
-            args = (sources_on_device(node.args[0], is_source, device_name), *node.args[1:])
-            out[key] = Task(key, _execute_subgraph, *args, **node.kwargs)
+        elif parts is not None:
+            inner = sources_on_device(parts.inner, is_source, device_name)
+            out[key] = Fused(inner, *parts[1:]).task(key)
         elif type(node) is Task and is_source(node):
             out[key] = Task(key, OnDevice(node.func, device_name), *node.args, **node.kwargs)
         else:
@@ -292,4 +338,5 @@ def is_eugo_callable(func: Any) -> bool:
     return func in (to_device, to_host, _host_value) or isinstance(func, (DeviceCall, OnDevice))
 
 
-__all__ = ["DeviceCall", "OnDevice", "is_eugo_callable", "to_device", "to_host", "usable_device"]
+__all__ = ["DeviceCall", "OnDevice", "get_device", "is_eugo_callable", "to_device", "to_host",
+           "usable_device"]

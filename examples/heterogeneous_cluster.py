@@ -20,14 +20,12 @@ import dask.array as da
 import numpy as np
 from distributed import Client, Nanny, Scheduler, SpecCluster
 
-import eugo_dask
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    import eugo_dask.plugin  # noqa: F401  (adds the /eugo page before the dashboard is built)
+    import eugo_dask.plugin
 
     workers = {
         "gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1},

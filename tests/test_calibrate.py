@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 import eugo_dask
-from eugo_dask.calibrate import _fit_inverse, calibrate
+from eugo_dask.calibrate import calibrate
+from eugo_dask.measure import _fit_inverse
 from eugo_dask.profile import load_profile, validate_profile_dict
 
 DASK_CLI = str(Path(sys.executable).with_name("dask"))

@@ -12,9 +12,10 @@ import time
 import urllib.request
 
 import dask
-import eugo_dask
 import pytest
 from dask.array.utils import assert_eq
+
+import eugo_dask
 
 from .cluster import process_cluster
 from .test_plugin import EXPECTED, SETTINGS, pipeline, plugin_summary, worker_stats

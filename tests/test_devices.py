@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from eugo_dask import EmulatedDeviceArray, EmulatedOutOfMemoryError, device_stats, reset_device_stats
-from eugo_dask.devices import EmulatedDevice, get_device, resolve_device_name
+from eugo_dask.devices import resolve_device_name
+from eugo_dask.emulated import EmulatedDevice
+from eugo_dask.runtime import get_device
 
 
 @pytest.fixture

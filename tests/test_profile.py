@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from eugo_dask import measure
 from eugo_dask import profile as profile_mod
 from eugo_dask.profile import PRESETS, ProfileError, load_profile, profile_dict
 
@@ -56,7 +57,8 @@ def test_edited_profile_file_is_reloaded(tmp_path):
     first = load_profile(str(path)).link.h2d_bytes_per_s
     full["link"]["h2d_bytes_per_s"] = first / 2
     path.write_text(yaml.safe_dump(full))
-    import os, time
+    import os
+    import time
     os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
     assert load_profile(str(path)).link.h2d_bytes_per_s == first / 2
 
@@ -93,22 +95,22 @@ def test_malformed_profile_file(tmp_path):
 
 def test_local_cpu_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    profile_mod.local_cpu_profile.cache_clear()
     calls = []
-    real = profile_mod.measure_local_cpu
+    real = measure.measure_local_cpu
 
     def counting():
         calls.append(1)
         return real()
 
-    monkeypatch.setattr(profile_mod, "measure_local_cpu", counting)
-    first = profile_mod.local_cpu_profile()
+    monkeypatch.setattr(measure, "measure_local_cpu", counting)
+    first = measure.cached_local_cpu()
     assert len(calls) == 1
     assert list(tmp_path.glob("eugo-dask/cpu-*.json"))
-    profile_mod.local_cpu_profile.cache_clear()
-    second = profile_mod.local_cpu_profile()
+    second = measure.cached_local_cpu()
     assert len(calls) == 1 and second == first  # read back from the per-machine cache
-    profile_mod.local_cpu_profile.cache_clear()
+    # a cache the caller does not accept (an older format, say) is measured again
+    measure.cached_local_cpu(accept=lambda data: False)
+    assert len(calls) == 2
     # the measurement is a valid cpu section, and a preset without cpu uses it
     p = profile_mod._build(profile_dict("h200"), first)
     assert p.cpu.matmul_flops_per_s.float64 > 1e8

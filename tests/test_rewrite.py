@@ -142,7 +142,7 @@ def test_persist_then_compute(emulated):
     for block in p.__dask_graph__().values():
         value = block.value if hasattr(block, "value") else block
         assert type(value) is np.ndarray
-    assert_eq(p.sum(), np.exp(A) @ B .sum() if False else (np.exp(A) @ B).sum())
+    assert_eq(p.sum(), (np.exp(A) @ B).sum())
 
 
 def test_no_device_leaves_graph_unchanged():

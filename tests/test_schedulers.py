@@ -7,7 +7,6 @@ settings at submission must travel with it. A scheduler in a separate process (s
 
 from __future__ import annotations
 
-
 import dask
 import dask.array as da
 import numpy as np

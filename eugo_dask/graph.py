@@ -1,0 +1,249 @@
+"""The one adapter to Dask's task-spec internals: chunk specs, fused tasks, graph walks.
+
+Dask's array optimization hands the pass a dict of ``dask._task_spec`` nodes after blockwise
+fusion, culling and linear fusion. Fused work is ``Task(_execute_subgraph, inner, outkey,
+inkeys, *deps)``; linear fusion renames keys and leaves ``Alias(original -> fused)``. Every
+positional read of those arguments lives here (:class:`Fused`), so a change in Dask's layout is
+a change in this module only.
+
+Also here: :class:`ArraySpec` (one chunk's shape and dtype), :class:`ChunkInfo` (chunk specs per
+key, read from a HighLevelGraph before Dask's optimization drops them), dependency order, alias
+targets and output-key flattening.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph, convert_legacy_graph
+from dask.utils import ensure_dict
+
+Key = Any  # a Dask key: a str or a tuple ("name", i, j, ...)
+Graph = Mapping[Key, GraphNode]
+
+
+class ArraySpec(NamedTuple):
+    """Shape and dtype of one chunk (a tuple: cheap to make, hash and compare by the
+    hundred thousand)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def key_name(key: Key) -> Any:
+    """The layer name of a key: ``("x-abc", 0, 1)`` -> ``"x-abc"``."""
+    return key[0] if type(key) is tuple else key
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk shapes and dtypes
+# ---------------------------------------------------------------------------------------------
+class ChunkInfo:
+    """Chunk shape and dtype per key, read from a HighLevelGraph's array layers before Dask's
+    optimization drops them (``layer.collection_annotations``)."""
+
+    def __init__(self, layers: Mapping[str, tuple[tuple[tuple[float, ...], ...], np.dtype[Any]]]):
+        self._layers = dict(layers)
+
+    @classmethod
+    def from_graph(cls, graph: Any) -> ChunkInfo:
+        layers = {}
+        for name, layer in getattr(graph, "layers", {}).items():
+            annotations = getattr(layer, "collection_annotations", None) or {}
+            chunks, dtype = annotations.get("chunks"), annotations.get("dtype")
+            if chunks is not None and dtype is not None:
+                try:
+                    layers[name] = (tuple(tuple(c) for c in chunks), np.dtype(dtype))
+                except TypeError:
+                    continue
+        return cls(layers)
+
+    def merge(self, other: ChunkInfo) -> ChunkInfo:
+        return ChunkInfo({**self._layers, **other._layers})
+
+    def block_of(self, name: str, index: tuple[slice, ...]) -> tuple[int, ...] | None:
+        """Block coordinates of the chunk of layer ``name`` that ``index`` selects exactly."""
+        info = self._layers.get(name)
+        if info is None or len(index) != len(info[0]):
+            return None
+        block = []
+        for dim, sl in zip(info[0], index):
+            start, offset = sl.start or 0, 0.0
+            for i, size in enumerate(dim):
+                if offset == start and (sl.stop is None or sl.stop == offset + size) and sl.step in (None, 1):
+                    block.append(i)
+                    break
+                offset += size
+            else:
+                return None
+        return tuple(block)
+
+    def spec(self, key: Key) -> ArraySpec | None:
+        if type(key) is tuple and key:
+            info = self._layers.get(key[0])
+            index = key[1:]
+        else:
+            info = self._layers.get(key)
+            if info is None or any(len(c) != 1 for c in info[0]):
+                return None
+            index = (0,) * len(info[0])
+        if info is None:
+            return None
+        chunks, dtype = info
+        if len(index) != len(chunks):
+            return None
+        try:
+            shape = tuple([dim[i] for dim, i in zip(chunks, index)])
+        except (IndexError, TypeError):
+            return None
+        if any(type(s) is not int for s in shape):  # rare: NumPy ints, floats, NaN
+            if any(isinstance(s, float) and math.isnan(s) for s in shape):
+                return None  # unknown chunk sizes (boolean indexing): size unknown
+            shape = tuple(int(s) for s in shape)
+        return ArraySpec(shape, dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused tasks
+# ---------------------------------------------------------------------------------------------
+class Fused(NamedTuple):
+    """The parts of a fused task ``Task(_execute_subgraph, inner, outkey, inkeys, *deps)``:
+    ``inkeys[i]`` is the name the inner graph uses for the value of ``deps[i]``."""
+
+    inner: dict[Key, GraphNode]
+    outkey: Key
+    inkeys: tuple[Key, ...]
+    deps: tuple[Any, ...]
+
+    def task(self, key: Key) -> Task:
+        """A fused task from these parts."""
+        return Task(key, _execute_subgraph, self.inner, self.outkey, tuple(self.inkeys),
+                    *self.deps)
+
+    @property
+    def is_blockwise(self) -> bool:
+        """Blockwise fusion (inputs named ``__dask_blockwise__N``), not linear fusion."""
+        return any(isinstance(k, str) and k.startswith("__dask_blockwise__") for k in self.inkeys)
+
+    def bound_inputs(self) -> dict[Key, Key]:
+        """Inner input name -> the outer key it reads."""
+        return {p: (d.key if type(d) is TaskRef else d) for p, d in zip(self.inkeys, self.deps)}
+
+
+def is_fused(node: GraphNode) -> bool:
+    return type(node) is Task and node.func is _execute_subgraph
+
+
+def fused(node: GraphNode) -> Fused | None:
+    """The parts of a fused task, or None for any other node (called once per task on the
+    pass's hot paths: kept to one type check and one tuple)."""
+    if type(node) is not Task or node.func is not _execute_subgraph:
+        return None
+    args = node.args
+    return Fused(args[0], args[1], args[2], args[3:])
+
+
+def fused_output(node: GraphNode) -> GraphNode | None:
+    """The node that makes a (possibly nested) fused task's result; the node itself for an
+    unfused task."""
+    out: GraphNode | None = node
+    while out is not None and (parts := fused(out)) is not None:
+        out = parts.inner.get(parts.outkey)
+    return out
+
+
+def execution_order(inner: Mapping[Key, GraphNode]) -> list[GraphNode]:
+    """The nodes of a fused task's inner graph, each after its inner dependencies."""
+    order: list[GraphNode] = []
+    done: set[Key] = set()
+    for root in inner:
+        stack = [(root, False)]
+        while stack:
+            key, expanded = stack.pop()
+            if key in done:
+                continue
+            if expanded:
+                done.add(key)
+                order.append(inner[key])
+                continue
+            stack.append((key, True))
+            stack.extend((d, False) for d in inner[key].dependencies if d in inner and d not in done)
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole graphs
+# ---------------------------------------------------------------------------------------------
+def task_spec_dict(dsk: Any) -> dict[Key, GraphNode]:
+    """``dsk`` (a HighLevelGraph, a dict of task-spec nodes or a legacy dict) as a dict of
+    task-spec nodes."""
+    graph = ensure_dict(dsk)
+    if all(isinstance(v, GraphNode) for v in graph.values()):
+        return graph
+    return convert_legacy_graph(graph)
+
+
+def alias_targets(dsk: Graph) -> dict[Key, Key]:
+    """Each alias key of ``dsk`` -> the key it finally stands for (chains followed)."""
+    aliases = {k: v.target for k, v in dsk.items() if isinstance(v, Alias)}
+
+    def follow(k: Key) -> Key:
+        seen = 0
+        while k in aliases and seen < 1000:
+            k, seen = aliases[k], seen + 1
+        return k
+
+    return {a: follow(a) for a in aliases}
+
+
+def toposort(dsk: Graph) -> list[Key]:
+    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm)."""
+    waiting: dict[Key, int] = {}
+    dependents: dict[Key, list[Key]] = defaultdict(list)
+    ready = []
+    for k, node in dsk.items():
+        n = 0
+        for d in node.dependencies:
+            if d in dsk:
+                dependents[d].append(k)
+                n += 1
+        waiting[k] = n
+        if not n:
+            ready.append(k)
+    order = []
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        for dep in dependents.get(k, ()):
+            waiting[dep] -= 1
+            if not waiting[dep]:
+                ready.append(dep)
+    if len(order) != len(dsk):
+        raise ValueError("eugo: the graph has a cycle; it cannot be planned")
+    return order
+
+
+def flatten_keys(keys: Any) -> set[Key]:
+    """The keys of a collection's (nested lists of) output keys."""
+    out: set[Key] = set()
+    stack = [keys]
+    while stack:
+        k = stack.pop()
+        if isinstance(k, list):
+            stack.extend(k)
+        else:
+            out.add(k)
+    return out
+

@@ -1,0 +1,344 @@
+"""Location-aware placement of every chunk task of a graph: :func:`place` -> :class:`Plan`.
+
+Data starts on the host. Tasks are visited in dependency order and each is placed where it is
+cheaper by the required margin, counting where its inputs already live:
+
+- on the GPU it pays its compute, a host->device copy of each input not already on the device
+  (once per chunk, however many GPU consumers it has), and a device->host copy of its result
+  when an output or a CPU-only consumer needs NumPy;
+- on the CPU it pays its compute (per-thread work divided by the chunks that run side by side)
+  plus a device->host copy of each input that lives only on the device.
+
+So chains of GPU work stay on the device, a reduction over host data stays on the CPU (the copy
+costs more than the pass) and a reduction over device data reduces there and ships back only the
+small result. Aggregation, ``finalize``, I/O, creation and unknown functions never offload. A GPU
+placement must beat the CPU by ``min_speedup`` (``0``: every task that can run on a device does).
+
+The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
+and the sets the rewrite needs. Nothing here touches tasks' execution or CuPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask._task_spec import Alias, Task
+from dask.utils import key_split
+
+from eugo_dask.cost_model import Estimate, estimate_d2h_seconds, estimate_h2d_seconds
+from eugo_dask.describe import GraphDescription
+from eugo_dask.graph import ArraySpec, Graph, Key, flatten_keys
+from eugo_dask.ops import CPU, GPU, Placement
+from eugo_dask.profile import Profile
+from eugo_dask.report import (
+    format_bytes,
+    format_seconds,
+    html_page,
+    plan_heading,
+    plan_html,
+    plan_rows,
+    plan_text,
+)
+
+
+class Decision:
+    """Where one task runs, with the numbers behind it; ``reason`` says it in words.
+
+    Seconds are estimates: ``cpu_s`` per task as it runs among its siblings (per-thread work
+    divided by the chunks that run side by side), ``gpu_s`` device compute (None where the task
+    cannot run on a device), ``h2d_s``/``d2h_s`` the copies a GPU placement would pay. ``op`` is
+    the task's op family (its heaviest kind of work).
+    """
+
+    __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
+                 "_d2h_in_s", "_min_speedup", "_memory_limit")
+
+    def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
+                 cpu_s: float, h2d_s: float, d2h_s: float, *, lanes: int, d2h_in_s: float,
+                 min_speedup: float, memory_limit: float | None) -> None:
+        self.key, self.device, self.cpu_s = key, device, cpu_s
+        self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
+        self._estimate, self._spec, self._lanes = estimate, spec, lanes
+        self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
+
+    @property
+    def prefix(self) -> str:
+        return key_split(self.key)
+
+    @property
+    def op(self) -> str:
+        return self._estimate.family
+
+    @property
+    def detail(self) -> str:
+        return self._estimate.detail
+
+    @property
+    def flops(self) -> float:
+        return self._estimate.flops
+
+    @property
+    def bytes(self) -> int:
+        return self._estimate.in_bytes + self._estimate.out_bytes
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        return self._spec.shape if self._spec is not None else None
+
+    @property
+    def dtype(self) -> str | None:
+        return str(self._spec.dtype) if self._spec is not None else None
+
+    @property
+    def gpu_s(self) -> float | None:
+        return self._estimate.gpu_s if self._estimate.gpu_capable else None
+
+    @property
+    def measured(self) -> bool:
+        """Whether observed durations replaced the profile's estimates for this task."""
+        return self._estimate.cpu_model_s is not None or self._estimate.gpu_model_s is not None
+
+    @property
+    def gpu_total_s(self) -> float:
+        return self._estimate.gpu_s + self.h2d_s + self.d2h_s
+
+    @property
+    def reason(self) -> str:
+        est, spec = self._estimate, self._spec
+        shape = "x".join(map(str, spec.shape)) if spec is not None and spec.shape else "scalar"
+        label = f"{est.detail} {shape} {self.dtype or '?'}"
+        if not est.gpu_capable:
+            return f"{label}: {est.why_cpu}"
+        if self._memory_limit is not None:
+            return (f"{label}: needs {format_bytes(working_set_bytes(est))} on the device, more "
+                    f"than the {format_bytes(self._memory_limit)} allowed")
+        parts = [f"GPU {format_seconds(est.gpu_s)}"]
+        parts += [f"H2D {format_seconds(self.h2d_s)}"] if self.h2d_s else []
+        parts += [f"D2H {format_seconds(self.d2h_s)}"] if self.d2h_s else []
+        cpu = f"CPU {format_seconds(est.cpu_s)}" + (f" / {self._lanes} threads" if self._lanes > 1 else "")
+        cpu += f" + D2H {format_seconds(self._d2h_in_s)}" if self._d2h_in_s else ""
+        total = self.gpu_total_s
+        speedup = (self.cpu_s + self._d2h_in_s) / total if total > 0 else math.inf
+        cmp = ">=" if self.device == GPU else "<"
+        text = f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} {self._min_speedup:g})"
+        if self.measured:
+            models = [f"{name} {format_seconds(model)}" for name, model in
+                      (("CPU", est.cpu_model_s), ("GPU", est.gpu_model_s)) if model is not None]
+            text += f"; measured, the profile predicted {', '.join(models)}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        names = ("key", "prefix", "op", "detail", "shape", "dtype", "bytes", "flops", "cpu_s",
+                 "gpu_s", "h2d_s", "d2h_s", "device", "reason", "measured")
+        out = {name: getattr(self, name) for name in names}
+        out["cpu_model_s"], out["gpu_model_s"] = self._estimate.cpu_model_s, self._estimate.gpu_model_s
+        out["key"] = str(self.key)
+        out["shape"] = list(self.shape) if self.shape is not None else None
+        return out
+
+    def __repr__(self) -> str:
+        return f"Decision({self.key!r}, {self.device!r}, {self.reason!r})"
+
+
+def working_set_bytes(est: Estimate) -> int:
+    """Device memory a task needs: its inputs, its result and about as much in temporaries."""
+    return est.in_bytes + 2 * est.out_bytes
+
+
+@dataclass
+class Plan:
+    """The placement of every task of a graph. Iterating yields :class:`Decision` records;
+    ``print`` shows a table by task prefix; ``to_json()`` exports it."""
+
+    decisions: dict[Key, Decision]
+    profile_name: str
+    device: str | None
+    min_speedup: float
+    #: what-if task-seconds: ``all_cpu``, ``all_gpu`` and ``as_chosen``
+    totals: dict[str, float] = field(default_factory=dict)
+    #: GPU tasks whose result an output or a CPU consumer needs as NumPy
+    host_needed: frozenset[Key] = frozenset()
+
+    def __iter__(self) -> Iterator[Decision]:
+        return iter(self.decisions.values())
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def __getitem__(self, key: Key) -> Decision:
+        return self.decisions[key]
+
+    @property
+    def gpu_keys(self) -> list[Key]:
+        return [k for k, d in self.decisions.items() if d.device == GPU]
+
+    def needs_host(self, key: Key) -> bool:
+        """Whether the GPU task ``key`` must copy its result back (an output or a CPU consumer
+        needs NumPy)."""
+        return key in self.host_needed
+
+    def by_prefix(self) -> dict[str, list[Decision]]:
+        groups: dict[str, list[Decision]] = defaultdict(list)
+        for d in self:
+            groups[d.prefix].append(d)
+        return dict(groups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile_name,
+            "device": self.device,
+            "min_speedup": self.min_speedup,
+            "totals_s": self.totals,
+            "tasks": [d.to_dict() for d in self],
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        """The plan as JSON (one object per task plus the what-if totals)."""
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def _heading(self) -> str:
+        return plan_heading(tasks=len(self), profile=self.profile_name, device=self.device,
+                            min_speedup=self.min_speedup)
+
+    def __str__(self) -> str:
+        return plan_text(self._heading(), plan_rows(self), self.totals)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        """The plan as an HTML table by task prefix (Jupyter shows this)."""
+        return plan_html(self._heading(), plan_rows(self), self.totals)
+
+    def to_html(self) -> str:
+        """A standalone HTML page of the plan (``eugo-dask explain --html``)."""
+        return html_page(self._repr_html_())
+
+
+# ---------------------------------------------------------------------------------------------
+# Placement
+# ---------------------------------------------------------------------------------------------
+def _needs_host_regardless(dsk: Graph, description: GraphDescription, outputs: set[Key]) -> set[Key]:
+    """Results that must reach the host whatever is placed where: outputs, and the inputs of
+    consumers that cannot run on a device (aliases pass their consumers' needs through)."""
+    resolve, estimates = description.targets.get, description.estimates  # hot: no wrappers
+    needed = {resolve(k, k) for k in outputs}
+    for k in description.order:
+        node = dsk[k]
+        if isinstance(node, Alias):
+            continue
+        est = estimates.get(k)
+        if est is None or not est.gpu_capable:
+            needed.update(resolve(d, d) for d in node.dependencies)
+    return needed
+
+
+def place(
+    dsk: Graph,
+    keys: Any,
+    description: GraphDescription,
+    *,
+    profile: Profile,
+    min_speedup: float,
+    device: str | None,
+    device_memory_bytes: float,
+) -> Plan:
+    """Place every described task of ``dsk`` (see the module docstring).
+
+    Parameters
+    ----------
+    keys
+        The graph's output keys (nested lists allowed); they are always delivered as NumPy.
+    description
+        What :func:`~eugo_dask.describe.describe_graph` found in ``dsk``.
+    device
+        The device that will run GPU tasks (None: plan what would go where; nothing runs there).
+    device_memory_bytes
+        A task whose inputs, result and temporaries exceed this never offloads.
+    """
+    outputs = flatten_keys(keys)
+    # the loop below runs once per task: plain dict lookups, no helper calls
+    resolve, estimates, specs = description.targets.get, description.estimates, description.specs
+    width = Counter(k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task)
+    threads = profile.cpu.threads
+    host_regardless = _needs_host_regardless(dsk, description, outputs)
+    sizes = {k: s.nbytes for k, s in specs.items() if s is not None}
+    h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
+    d2h_s = functools.lru_cache(maxsize=None)(lambda n: estimate_d2h_seconds(n, profile))
+
+    on_gpu: set[Key] = set()
+    h2d_done: set[Key] = set()  # host results already copied to the device
+    d2h_done: set[Key] = set()  # device results already copied back
+    decisions: dict[Key, Decision] = {}
+    # all_gpu: every task that can run on a device pays its own estimate there (explain()
+    # replaces it with an exact plan at min-speedup 0)
+    totals = {"all_cpu": 0.0, "all_gpu": 0.0, "as_chosen": 0.0}
+    for k in description.order:
+        est = estimates.get(k)
+        if est is None:
+            continue
+        inputs = {resolve(d, d) for d in dsk[k].dependencies}
+        lanes = min(width[k[0] if type(k) is tuple else k], threads) if est.cpu_parallel else 1
+        cpu_s = est.cpu_s / max(lanes, 1)
+        d2h_in = h2d = 0.0
+        input_bytes = 0
+        for d in inputs:
+            n = sizes.get(d, 0)
+            input_bytes += n
+            if d in on_gpu:
+                if d not in d2h_done:
+                    d2h_in += d2h_s(n)
+            elif d not in h2d_done:
+                h2d += h2d_s(n)
+        h2d += h2d_s(max(est.in_bytes - input_bytes, 0))  # chunks embedded in the task
+        d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
+        gpu_total = est.gpu_s + h2d + d2h_out
+        cpu_total = cpu_s + d2h_in
+        too_big = device is not None and working_set_bytes(est) > device_memory_bytes
+        placement: Placement = CPU
+        if est.gpu_capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
+            placement = GPU
+        if placement == GPU:
+            h2d_done.update(d for d in inputs if d not in on_gpu)
+            on_gpu.add(k)
+            if d2h_out:
+                d2h_done.add(k)
+            chosen = gpu_total
+        else:
+            d2h_done.update(d for d in inputs if d in on_gpu)
+            chosen = cpu_total
+        totals["all_cpu"] += cpu_s
+        totals["all_gpu"] += gpu_total if est.gpu_capable and not too_big else cpu_total
+        totals["as_chosen"] += chosen
+        decisions[k] = Decision(
+            k, placement, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,
+            min_speedup=min_speedup,
+            memory_limit=device_memory_bytes if est.gpu_capable and too_big else None,
+        )
+
+    return Plan(
+        decisions=decisions,
+        profile_name=profile.name,
+        device=device,
+        min_speedup=min_speedup,
+        totals=totals,
+        host_needed=frozenset(_host_consumed(dsk, decisions, outputs, resolve) & on_gpu),
+    )
+
+
+def _host_consumed(dsk: Graph, decisions: dict[Key, Decision], outputs: set[Key],
+                   resolve: Any) -> set[Key]:
+    """Results an output or a CPU-placed (or unplanned) consumer reads as NumPy."""
+    needed = {resolve(k, k) for k in outputs}
+    for k, node in dsk.items():
+        if isinstance(node, Alias):
+            continue
+        d = decisions.get(k)
+        if d is None or d.device == CPU:
+            needed.update(resolve(x, x) for x in node.dependencies)
+    return needed
