@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 
 import numpy as np
 
 from eugo_dask.calibrate import calibrate
-from eugo_dask.cost_model import Op, estimate_task
+from eugo_dask.cost_model import Op, Step, estimate_task
 from eugo_dask.graph import ArraySpec
 from eugo_dask.measure import FULL_SIZES, QUICK_SIZES, best_seconds
 from eugo_dask.profile import load_profile
@@ -32,7 +33,8 @@ def cases():
         for n in (96, 192, 384, 768):
             a = RNG.random((n, n)).astype(dtype)
             spec = ArraySpec((n, n), np.dtype(dtype))
-            yield "matmul", f"matmul {n}² {dtype}", Op("matmul", "matmul", 2), [spec, spec], spec, lambda a=a: a @ a
+            yield ("matmul", f"matmul {n}² {dtype}", Op("matmul", "matmul", 2), [spec, spec], spec,
+                   partial(np.matmul, a, a))
     for name, nin in (("add", 2), ("multiply", 2), ("divide", 2), ("sqrt", 1), ("exp", 1), ("sin", 1), ("power", 2)):
         ufunc = getattr(np, name)
         for n in (300_000, 3_000_000):
@@ -66,7 +68,7 @@ def main() -> None:
         size = out.size if family != "reduction" else inputs[0].size
         assert (int(round(size ** 0.5)) if family == "matmul" else size) not in used, label
         measured = best_seconds(fn, repeat=15)
-        estimate = estimate_task([op], inputs, out, profile)
+        estimate = estimate_task([Step(op, tuple(inputs), out)], inputs, out, profile)
         predicted = estimate.cpu_s - profile.cpu.task_overhead_s  # a raw call, no Dask dispatch
         error = abs(predicted - measured) / measured
         errors.setdefault(family, []).append(error)

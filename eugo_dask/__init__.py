@@ -10,6 +10,7 @@ Importing this package registers the ``eugo.*`` config defaults and the bridge t
 changes. CuPy is imported only when a CuPy device is asked for.
 """
 
+from eugo_dask._version import __version__
 from eugo_dask.config import Settings, read_settings, register_defaults
 from eugo_dask.devices import device_stats, reset_device_stats
 from eugo_dask.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryError
@@ -20,9 +21,9 @@ from eugo_dask.profile import PRESETS, Profile, ProfileError, load_profile
 register_defaults()
 install_bridge()
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "PRESETS",
     "Decision",
     "EmulatedDeviceArray",

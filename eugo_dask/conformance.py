@@ -127,7 +127,8 @@ def pytest_warning_recorded(warning_message: Any, when: str, nodeid: str, locati
         _entry(nodeid)["warnings"].append(_normalise_warning(warning_message))
 
 
-_ADDRESSES = re.compile(r" at 0x[0-9a-f]+|0x[0-9a-f]{6,}|[0-9a-f]{32}")
+# object addresses and ids, hex tokens, and long numbers (zarr's memory://140224958111488)
+_ADDRESSES = re.compile(r" at 0x[0-9a-f]+|0x[0-9a-f]{6,}|[0-9a-f]{32}|[0-9]{9,}")
 
 
 def _normalise_warning(message: Any) -> str:
@@ -216,6 +217,13 @@ def compare(plain: dict[str, Any], eugo: dict[str, Any], allowed: dict[str, str]
     return unexplained, explained, dict(totals)
 
 
+def _confirmed(first: dict[str, Any], rerun: dict[str, Any] | None) -> dict[str, Any]:
+    """``first`` with the tests ``rerun`` ran again replaced by their rerun."""
+    if rerun is None:
+        return first
+    return {**first, "tests": {**first["tests"], **rerun["tests"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare a plain and an eugo conformance run.")
     parser.add_argument("plain")
@@ -223,11 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allowed", default=None, help="allowed differences, one per line")
     parser.add_argument("--only-second", action="store_true",
                         help="compare only the tests the second run ran")
+    parser.add_argument("--differing-out", default=None,
+                        help="write the node ids of unexplained differences here (to rerun)")
+    parser.add_argument("--confirm", nargs=2, metavar=("PLAIN_RERUN", "EUGO_RERUN"),
+                        help="reports of the differing tests run again, one at a time in one "
+                             "process: a difference counts only if it shows there too")
+    parser.add_argument("--test-root", default="", help="prefix for --differing-out node ids")
     args = parser.parse_args(argv)
     plain = json.loads(Path(args.plain).read_text())
     eugo = json.loads(Path(args.eugo).read_text())
     allowed = load_allowed(args.allowed)
+    first, _, _ = compare(plain, eugo, allowed, only_second=args.only_second)
+    flaky: list[str] = []
+    if args.confirm:
+        plain_rerun, eugo_rerun = (json.loads(Path(p).read_text()) for p in args.confirm)
+        rerun_ids = set(eugo_rerun["tests"])
+        plain, eugo = _confirmed(plain, plain_rerun), _confirmed(eugo, eugo_rerun)
+        confirmed, _, _ = compare(plain, eugo, allowed, only_second=args.only_second)
+        confirmed_ids = {line.split(": ")[0] for line in confirmed}
+        flaky = [line for line in first
+                 if line.split(": ")[0] in rerun_ids and line.split(": ")[0] not in confirmed_ids]
     unexplained, explained, totals = compare(plain, eugo, allowed, only_second=args.only_second)
+    if args.differing_out:
+        Path(args.differing_out).write_text(
+            "".join(f"{args.test_root}{line.split(': ')[0]}\n" for line in unexplained))
     tests = {k: v for k, v in plain["tests"].items() if not args.only_second or k in eugo["tests"]}
     outcomes = Counter(t["outcome"] for t in tests.values())
     print(f"plain: {len(tests)} tests, "
@@ -238,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     print("eugo activity: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())
                                         if not k.startswith("outcome")))
     print(f"differences: {len(unexplained) + len(explained)} "
-          f"({len(explained)} allowed, {len(unexplained)} unexplained)")
+          f"({len(explained)} allowed, {len(unexplained)} unexplained)"
+          + (f"; {len(flaky)} more did not reproduce when run alone" if flaky else ""))
     for line in explained:
-        print("  allowed    " + line)
+        print("  allowed     " + line)
+    for line in flaky:
+        print("  not alone   " + line)
     for line in unexplained:
         print("  UNEXPLAINED " + line)
     return 1 if unexplained else 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -105,40 +106,58 @@ def _gpu_call_s(profile: Profile) -> float:
 
 
 def _contracted_size(a: ArraySpec, b: ArraySpec) -> int:
-    """Length of the axis two matmul/tensordot operands share (A @ B, A @ B.T, A.T @ B)."""
+    """Length of the axis two matmul operands share, guessed from their shapes (only where the
+    operation itself could not be read: :mod:`eugo_dask.shapes` reads it from the task)."""
     if len(a.shape) >= 2 and len(b.shape) >= 2:
         for i, j in ((-1, -2), (-1, -1), (-2, -2)):
             if a.shape[i] == b.shape[j]:
                 return max(a.shape[i], 1)
     shared = set(a.shape) & set(b.shape)
-    return max(shared, default=1)
+    return max(max(shared, default=1), 1)
 
 
-def _matmul_flops(arrays: list[ArraySpec]) -> tuple[float, float]:
-    """FLOPs of a contraction of its two largest operands, and its effective matrix size
-    (cube root of m*n*k)."""
+def _guessed_matmul_flops(arrays: list[ArraySpec]) -> float:
+    """FLOPs of a contraction of its two largest operands, by shape alone."""
+    if not arrays:
+        return 0.0
     if len(arrays) < 2:
         arrays = arrays * 2
     a, b = sorted(arrays, key=lambda s: s.size)[-2:]
-    mnk = float(a.size) * float(b.size) / _contracted_size(a, b)
-    return 2.0 * mnk, mnk ** (1.0 / 3.0)
+    return 2.0 * float(a.size) * float(b.size) / _contracted_size(a, b)
 
 
-def estimate_op(
-    op: Op, n: int, dtype: np.dtype, inputs: list[ArraySpec], out: ArraySpec, profile: Profile
-) -> tuple[float, float, float]:
-    """(flops, cpu_s, gpu_s) of one operation on ``n`` elements of ``dtype``."""
+class Step(NamedTuple):
+    """One operation of a task with the chunks it sees: its array operands, its result (None
+    where unknown) and, for contractions and FFTs, its FLOPs as read from the operation."""
+
+    op: Op
+    ins: tuple[ArraySpec, ...]
+    out: ArraySpec | None
+    flops: float | None = None
+
+
+def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
+                  profile: Profile) -> tuple[float, float, float]:
+    """(flops, cpu_s, gpu_s) of one operation. Sizes are the operation's own where known,
+    else ``n_fallback`` elements of ``dtype_fallback`` (the task's largest array)."""
     cpu, gpu = profile.cpu, profile.gpu
+    op, out = step.op, step.out
+    n = out.size if out is not None else n_fallback
+    dtype = out.dtype if out is not None and device_dtype_ok(out.dtype) else dtype_fallback
     item = dtype.itemsize
     if op.family == ELEMENTWISE:
         weight = UFUNC_WEIGHTS.get(op.name, DEFAULT_UFUNC_WEIGHT)
         if dtype.kind == "c":
             weight *= 4
         flops = n * weight
-        traffic = (op.n_inputs + 1) * n * item
+        operands = max(len(step.ins), 1)
+        if out is not None and step.ins:
+            traffic = sum(s.nbytes for s in step.ins) + out.nbytes
+        else:
+            traffic = (op.n_inputs + 1) * n * item
         measured = cpu.elementwise_seconds(op.name, dtype, n)
         if measured is not None:  # calibrated on this CPU for the ufunc's class
-            cpu_s = n * measured * (4 if dtype.kind == "c" else 1) * (op.n_inputs + 1) / 3
+            cpu_s = n * measured * (4 if dtype.kind == "c" else 1) * (operands + 1) / 3
         else:
             cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s,
                         flops / cpu.flops_per_s.for_dtype(dtype))
@@ -146,34 +165,44 @@ def estimate_op(
                     flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FLOPS_EFFICIENCY))
         return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
     if op.family == MATMUL:
-        flops, size = _matmul_flops(inputs or [out])
+        flops = step.flops if step.flops is not None else _guessed_matmul_flops(
+            list(step.ins) or ([out] if out is not None else []))
+        if flops <= 0:
+            return 0.0, CPU_CALL_S, _gpu_call_s(profile)
+        size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k
         half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
         cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
         gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * GPU_MATMUL_EFFICIENCY
                     * size / (size + GPU_MATMUL_HALF_N))
         return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
     if op.family == FFT:
-        points = max(out.size, n, 2)
-        flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
-        traffic = 2 * points * max(out.dtype.itemsize, item)
+        source = step.ins[0] if step.ins else out
+        points = max(source.size if source is not None else n, 2)
+        if step.flops is not None:
+            flops = step.flops
+        else:
+            flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
+        traffic = 2 * points * max(out.dtype.itemsize if out is not None else item, item)
         per_flop = cpu.fft_seconds_per_flop(dtype, points)
         cpu_s = flops * per_flop if per_flop is not None else flops / cpu.fft_flops_per_s.for_dtype(dtype)
         gpu_s = max(flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FFT_FLOPS_EFFICIENCY),
                     3 * traffic / _gpu_bw(profile))
         return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
     if op.family == REDUCTION:
-        traffic = n * item
-        flops = float(n)
-        per_element = cpu.reduction_seconds(dtype, n)
+        source = step.ins[0] if step.ins else None
+        n_in = source.size if source is not None else n_fallback
+        in_dtype = source.dtype if source is not None and device_dtype_ok(source.dtype) else dtype
+        traffic = n_in * in_dtype.itemsize
+        flops = float(n_in)
+        per_element = cpu.reduction_seconds(in_dtype, n_in)
         if per_element is not None:  # calibrated on this CPU
-            cpu_s = n * per_element
+            cpu_s = n_in * per_element
         else:
             read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
-            cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(dtype))
+            cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(in_dtype))
         return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
     if op.family == MOVEMENT:
-        if op.name in ("getitem", "transpose", "identity", "_identity_cast", "squeeze",
-                       "expand_dims", "reshape", "moveaxis", "swapaxes", "broadcast_to"):
+        if op.name in _VIEW_NAMES:
             return 0.0, CPU_CALL_S, _gpu_call_s(profile)  # views: no copy
         traffic = 2 * n * item
         return (0.0, traffic / cpu.memory_bandwidth_bytes_per_s + CPU_CALL_S,
@@ -181,7 +210,7 @@ def estimate_op(
     if op.family == DATA:  # a chunk embedded in the graph: already in host memory
         return 0.0, 0.0, 0.0
     # creation, I/O, aggregation, unknown run on the host; price their memory traffic
-    traffic = sum(s.nbytes for s in inputs) + out.nbytes
+    traffic = sum(s.nbytes for s in step.ins) + n * item
     flops = 5.0 * n if op.name.startswith("_apply_random") else 0.0
     cpu_s = traffic / cpu.memory_bandwidth_bytes_per_s + flops / cpu.flops_per_s.for_dtype(dtype)
     cpu_s += CPU_CALL_S
@@ -189,30 +218,27 @@ def estimate_op(
     return flops, cpu_s, cpu_s if op.family == CREATION else math.inf
 
 
-def estimate_task(
-    ops: list[Op], inputs: list[ArraySpec], out: ArraySpec | None, profile: Profile
-) -> Estimate:
-    """Estimate a task made of ``ops`` (in execution order) over ``inputs`` producing ``out``.
+_VIEW_NAMES = frozenset("getitem transpose identity _identity_cast squeeze expand_dims reshape "
+                        "moveaxis swapaxes broadcast_to diagonal".split())
+_ZERO_D = ("a 0-d result: NumPy hands back a scalar or a 0-d array where CuPy gives a 0-d "
+           "device array, and only the CPU path returns exactly what plain Dask does")
 
-    ``inputs`` are the arrays the task reads: its dependencies and any chunk embedded in it.
-    ``out`` is None where the result's shape is unknown (such tasks stay on the CPU).
+
+def estimate_task(steps: list[Step], inputs: list[ArraySpec], out: ArraySpec | None,
+                  profile: Profile) -> Estimate:
+    """Estimate a task made of ``steps`` (in execution order) producing ``out``.
+
+    ``inputs`` are the arrays the task reads: its dependencies and any chunk embedded in it or
+    created inside it. ``out`` is None where the result's shape is unknown (such tasks stay on
+    the CPU).
     """
+    steps = steps or [Step(Op(MOVEMENT, "identity"), (), out)]
+    ops = [s.op for s in steps]
     main = max(ops, key=lambda o: FAMILY_RANK[o.family])
     in_bytes = sum(s.nbytes for s in inputs)
     cpu_only = [o for o in ops if o.family not in GPU_FAMILIES and o.family not in SOURCE_FAMILIES]
     why_cpu = None
-    if out is None:
-        why_cpu = "chunk shape unknown"
-        out = ArraySpec((max((s.size for s in inputs), default=0),),
-                        inputs[0].dtype if inputs else np.dtype("float64"))
-    dtypes = [s.dtype for s in (*inputs, out)]
-    if why_cpu is None:
-        bad = [d for d in dtypes if not device_dtype_ok(d)]
-        if bad:
-            why_cpu = f"dtype {bad[0]} never offloads"
-    if why_cpu is None and main.family in SOURCE_FAMILIES:
-        why_cpu = f"creation ({main.name}) runs on the host so results match plain Dask"
-    if why_cpu is None and cpu_only:
+    if cpu_only:
         first = cpu_only[0]
         why_cpu = {
             AGGREGATE: "aggregation of partial results stays on the CPU",
@@ -220,12 +246,24 @@ def estimate_task(
             CREATION: f"creation ({first.name}) runs on the host so results match plain Dask",
             UNKNOWN: f"unknown function {first.name}: cannot tell that it runs on a device",
         }[first.family]
-    # Work on the largest array the task touches; the result's dtype sets the rates.
+    elif main.family in SOURCE_FAMILIES:
+        why_cpu = f"creation ({main.name}) runs on the host so results match plain Dask"
+    if out is None:
+        why_cpu = why_cpu or "chunk shape unknown"
+        out = ArraySpec((max((s.size for s in inputs), default=0),),
+                        inputs[0].dtype if inputs else np.dtype("float64"))
+    if why_cpu is None:
+        bad = [s.dtype for s in (*inputs, out) if not device_dtype_ok(s.dtype)]
+        if bad:
+            why_cpu = f"dtype {bad[0]} never offloads"
+        elif out.shape == ():
+            why_cpu = _ZERO_D
+    # where an operation's own sizes are unknown: the largest array the task touches
     n = max([out.size, *(s.size for s in inputs)])
     dtype = out.dtype if device_dtype_ok(out.dtype) else np.dtype("float64")
     flops = cpu_s = gpu_s = 0.0
-    for op in ops:
-        f, c, g = estimate_op(op, n, dtype, inputs, out, profile)
+    for step in steps:
+        f, c, g = estimate_step(step, n, dtype, profile)
         flops, cpu_s, gpu_s = flops + f, cpu_s + c, gpu_s + g
     # Dask's per-task dispatch is paid wherever the task runs
     cpu_s += profile.cpu.task_overhead_s

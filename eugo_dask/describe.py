@@ -1,8 +1,10 @@
-"""What each task of a graph is and costs: op families, chunk specs, estimates.
+"""What each task of a graph is and costs: its operations, the chunks they see, estimates.
 
-:func:`describe_graph` walks a graph (after :mod:`eugo_dask.unfuse`) in dependency order and, for
-every task eugo can reason about, infers its output chunk's shape and dtype from its inputs and
-the collection's chunk annotations, and asks the cost model for an :class:`Estimate`. Work is
+:func:`describe_graph` walks a graph (after :mod:`eugo_dask.unfuse`) in dependency order. For
+every task eugo can reason about it follows the chunks through the task's operations (a fused
+task runs several: :mod:`eugo_dask.shapes` says what each one returns and, for contractions and
+FFTs, how much work it is), takes the output chunk's spec from that or from the collection's chunk
+annotations, and asks the cost model for an :class:`~eugo_dask.cost_model.Estimate`. Work is
 shared across the chunks of a layer (same functions and shapes: same estimate). With a
 :class:`~eugo_dask.history.RuntimeHistory`, observed durations replace the profile's estimates.
 
@@ -17,9 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, Task
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
 
-from eugo_dask.cost_model import Estimate, Op, estimate_task
+from eugo_dask.cost_model import Estimate, Op, Step, estimate_task
 from eugo_dask.graph import (
     ArraySpec,
     ChunkInfo,
@@ -29,103 +31,108 @@ from eugo_dask.graph import (
     alias_targets,
     execution_order,
     fused,
-    fused_output,
     toposort,
 )
 from eugo_dask.history import RuntimeHistory
-from eugo_dask.ops import (
-    CPU,
-    CREATION,
-    CUMULATIVE,
-    DATA,
-    GPU,
-    MOVEMENT,
-    REDUCTION,
-    classify_func,
-)
+from eugo_dask.ops import CPU, CREATION, DATA, GPU, classify_node
 from eugo_dask.profile import Profile
 from eugo_dask.runtime import is_eugo_callable
+from eugo_dask.shapes import UNKNOWN_ARRAY, infer_step
+
+#: What a name in a task resolves to while its operations are followed: a chunk's spec, an
+#: array of unknown shape, or a literal value (an index, an array-like being read).
+Value = Any
 
 
-def _inner_ops(inner: Mapping[Key, GraphNode], embedded: list[ArraySpec]) -> list[Op]:
-    ops: list[Op] = []
-    for node in execution_order(inner):
-        parts = fused(node)
-        if isinstance(node, DataNode):
-            if isinstance(node.value, np.ndarray):
-                ops.append(Op(DATA, "array"))
-                embedded.append(ArraySpec(node.value.shape, node.value.dtype))
-        elif parts is not None:
-            ops.extend(_inner_ops(parts.inner, embedded))
-        elif type(node) is Task:
-            family, name = classify_func(node.func)
-            ops.append(Op(family, name, max(1, len(node.dependencies))))
-    return ops
+def _resolve(arg: Any, env: Mapping[Key, Value]) -> Value:
+    """A task argument as the shape rules see it."""
+    if type(arg) is TaskRef:
+        return env.get(arg.key, UNKNOWN_ARRAY)
+    if isinstance(arg, Alias):  # a reference to another task's result, as an argument
+        return env.get(arg.target, UNKNOWN_ARRAY)
+    if isinstance(arg, DataNode):
+        return _literal(arg.value)
+    if isinstance(arg, List):
+        return [_resolve(a, env) for a in arg.args]
+    if isinstance(arg, GraphNode):  # a task nested in an argument: not followed
+        return UNKNOWN_ARRAY
+    return _literal(arg)
 
 
-def _getitem_shape(node: Task, source: ArraySpec | None) -> ArraySpec | None:
-    if source is None or len(node.args) != 2 or isinstance(node.args[1], GraphNode):
-        return None
-    try:  # index a zero-size stand-in of the chunk: NumPy works out the result's shape
-        view = np.broadcast_to(np.empty((), dtype=bool), source.shape)[node.args[1]]
-    except (IndexError, TypeError, ValueError):  # an index this stand-in cannot take
-        return None
-    return ArraySpec(view.shape, source.dtype)
-
-
-def _reduction_axes(node: Task) -> tuple[int, ...] | None:
-    for container in (node.kwargs, *(a for a in node.args if isinstance(a, Mapping))):
-        axis = container.get("axis") if isinstance(container, Mapping) else None
-        if isinstance(axis, int):
-            return (axis,)
-        if isinstance(axis, tuple) and all(isinstance(a, int) for a in axis):
-            return axis
-    return None
-
-
-def _reduced_spec(node: Task, source: ArraySpec | None, out: ArraySpec | None) -> ArraySpec | None:
-    """The result of a reduction step over ``source``: one element along each reduced axis (all
-    of them where the axes cannot be read), dropped unless ``keepdims``."""
-    if source is None:
-        return out
-    axes = _reduction_axes(node)
-    ndim = len(source.shape)
-    reduced = set(range(ndim)) if axes is None else {a % ndim for a in axes if ndim}
-    keepdims = node.kwargs.get("keepdims", True) is not False
-    shape = tuple(1 if d in reduced else n for d, n in enumerate(source.shape)
-                  if keepdims or d not in reduced)
-    return ArraySpec(shape, out.dtype if out is not None else source.dtype)
-
-
-def _is_combine_step(key: Key) -> bool:
-    """Whether ``key`` belongs to the combine/aggregate layers of a Dask reduction, whose chunk
-    annotations are right (unlike the chunk step's, which repeat the input's chunks)."""
-    name = key[0] if type(key) is tuple else key
-    return isinstance(name, str) and ("-aggregate-" in name or "-partial-" in name)
+def _literal(value: Any) -> Value:
+    if isinstance(value, np.ndarray):
+        return ArraySpec(value.shape, value.dtype)
+    return value
 
 
 class _Structure:
-    """What a task's function(s) are, independent of its chunk: shared by every chunk of a
+    """A fused task's inner graph in execution order, shared by every chunk of a
     blockwise-fused layer (they share one inner graph)."""
 
-    __slots__ = ("ops", "embedded", "out_node", "reduction")
+    __slots__ = ("nodes", "outkey")
 
-    def __init__(self, node: Task, n_inputs: int) -> None:
-        embedded: list[ArraySpec] = []
+    def __init__(self, parts: Fused) -> None:
+        self.outkey: Key = parts.outkey
+        self.nodes: list[tuple[Key, GraphNode]] = [(n.key, n) for n in execution_order(parts.inner)]
+
+
+def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
+            steps: list[Step], embedded: list[ArraySpec]) -> None:
+    """Work out what every node returns, in order, recording a step per operation."""
+    for key, node in nodes:
+        if isinstance(node, DataNode):
+            value = _literal(node.value)
+            env[key] = value
+            if isinstance(node.value, np.ndarray):
+                embedded.append(value)
+                steps.append(Step(Op(DATA, "array"), (), value, None))
+            continue
         parts = fused(node)
-        if parts is not None:
-            ops = _inner_ops(parts.inner, embedded)
+        if parts is not None:  # fused inside a fused task
+            inner_env = {p: _resolve(d, env) for p, d in zip(parts.inkeys, parts.deps)}
+            _follow([(n.key, n) for n in execution_order(parts.inner)], inner_env, steps, embedded)
+            env[key] = inner_env.get(parts.outkey, UNKNOWN_ARRAY)
+            continue
+        if isinstance(node, Alias):
+            env[key] = env.get(node.target, UNKNOWN_ARRAY)
+            continue
+        if type(node) is not Task:
+            env[key] = UNKNOWN_ARRAY
+            continue
+        family, name = classify_node(node)
+        args = [_resolve(a, env) for a in node.args]
+        kwargs = {k: _resolve(v, env) for k, v in node.kwargs.items()}
+        inferred = infer_step(family, name, node.func, args, kwargs)
+        ins = tuple(a for a in _flat(args) if isinstance(a, ArraySpec))
+        out = inferred.out if isinstance(inferred.out, ArraySpec) else None  # not a tuple
+        steps.append(Step(Op(family, name, max(1, len(ins))), ins, out, inferred.flops))
+        env[key] = inferred.out if inferred.out is not None else UNKNOWN_ARRAY
+        if family == CREATION and out is not None:
+            # made on the host inside a GPU task, then copied: priced as an embedded chunk
+            embedded.append(out)
+
+
+def _flat(values: list[Value]) -> list[Value]:
+    out: list[Value] = []
+    for v in values:
+        if isinstance(v, list):
+            out.extend(_flat(v))
         else:
-            family, name = classify_func(node.func)
-            ops = [Op(family, name, max(1, n_inputs))]
-        self.ops = tuple(ops) or (Op(MOVEMENT, "identity"),)
-        self.embedded = tuple(embedded)
-        out_node = fused_output(node)
-        self.out_node = out_node if type(out_node) is Task else None
-        self.reduction = False
-        if self.out_node is not None:
-            family, name = classify_func(self.out_node.func)
-            self.reduction = family == REDUCTION and name not in CUMULATIVE
+            out.append(v)
+    return out
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a literal dependency (getter indexes are tuples of slices)."""
+    if isinstance(value, slice):
+        return ("slice", value.start, value.stop, value.step)
+    if isinstance(value, tuple):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
 
 
 def _learned(estimate: Estimate, history: RuntimeHistory) -> Estimate:
@@ -151,65 +158,74 @@ class TaskDescriber:
     def __init__(self, chunks: ChunkInfo, profile: Profile,
                  history: RuntimeHistory | None = None) -> None:
         self.chunks, self.profile, self.history = chunks, profile, history
-        self._structures: dict[tuple[int, ...], _Structure] = {}
+        self._structures: dict[int, _Structure] = {}
+        self._followed: dict[tuple[Any, ...], tuple[tuple[Step, ...], tuple[ArraySpec, ...],
+                                                     Value]] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
-        self._reduced: dict[tuple[Any, ...], ArraySpec | None] = {}
 
-    def _structure(self, node: Task, parts: Fused | None, n_inputs: int) -> _Structure:
-        # Chunks of one layer share their function (or fused inner graph): describe it once.
-        # The graph keeps these objects alive while we plan, so ids are not reused.
-        if parts is not None:
-            cache_key: tuple[int, ...] = (id(parts.inner),)
-        else:
-            cache_key = (id(node.func), n_inputs)
-        cached = self._structures.get(cache_key)
+    def _structure(self, parts: Fused) -> _Structure:
+        # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
+        # these objects alive while we plan, so ids are not reused.
+        cached = self._structures.get(id(parts.inner))
         if cached is None:
-            cached = self._structures[cache_key] = _Structure(node, n_inputs)
+            cached = self._structures[id(parts.inner)] = _Structure(parts)
         return cached
 
-    def describe(
-        self, key: Key, node: Task, input_specs: list[ArraySpec | None]
-    ) -> tuple[Estimate, ArraySpec | None]:
-        """Estimate one task and infer its output chunk's spec."""
-        chunks = self.chunks
+    def describe(self, key: Key, node: Task, inputs: Mapping[Key, Value]
+                 ) -> tuple[Estimate, ArraySpec | None, Value]:
+        """Estimate one task and infer its output chunk's spec. ``inputs``: what each
+        dependency holds (a chunk's spec, :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a
+        literal such as an array-like a read takes its chunk from). Returns the estimate, the
+        output spec and what the task hands on (its spec, or a tuple of them)."""
         parts = fused(node)
-        structure = self._structure(node, parts, len(input_specs))
-        ops = structure.ops
-        embedded = list(structure.embedded)
-        known = [s for s in input_specs if s is not None]
+        env: dict[Key, Value] = dict(inputs)
         if parts is not None:
-            # blockwise fusion keeps the output layer's name in the key; linear fusion renames
-            # the key and keeps the original as the inner output key
-            out = chunks.spec(parts.outkey) if type(parts.outkey) is tuple else None
-            out = out or chunks.spec(key)
-            if out is not None:
-                # a chunk created inside a GPU task (ones, arange, random) is made on the host
-                # and copied: price it like an embedded chunk of the result's size
-                embedded += [out for op in ops if op.family == CREATION]
-        else:
-            out = chunks.spec(key)
-            if out is None and ops[0].name == "getitem" and ops[0].family == MOVEMENT:
-                out = _getitem_shape(node, known[0] if len(input_specs) == 1 and known else None)
-        if (structure.reduction and structure.out_node is not None
-                and not _is_combine_step(parts.outkey if parts is not None else key)):
-            # Dask annotates a reduction's chunk step with its input's chunks
-            source = out or max(known + embedded, key=lambda s: s.size, default=None)
-            reduced_key = (id(structure.out_node), source, out)
-            if reduced_key not in self._reduced:
-                self._reduced[reduced_key] = _reduced_spec(structure.out_node, source, out)
-            out = self._reduced[reduced_key]
-        arrays = tuple(known + embedded)
-        cache_key = (ops, arrays, out, len(known) < len(input_specs))
+            structure = self._structure(parts)
+            nodes, outkey = structure.nodes, structure.outkey
+            env = {p: _resolve(d, env) for p, d in zip(parts.inkeys, parts.deps)}
+            follow_key: tuple[Any, ...] = (id(structure), *map(_freeze, env.values()))
+        else:  # one function: its own arguments are all there is to follow
+            nodes, outkey = [(key, node)], key
+            follow_key = (id(node.func), *(_freeze(_resolve(a, env)) for a in node.args),
+                          *((k, _freeze(_resolve(v, env))) for k, v in node.kwargs.items()))
+        followed = self._followed.get(follow_key)
+        if followed is None:
+            steps: list[Step] = []
+            embedded: list[ArraySpec] = []
+            _follow(nodes, env, steps, embedded)
+            followed = self._followed[follow_key] = (tuple(steps), tuple(embedded),
+                                                     env.get(outkey))
+        steps_t, embedded_t, inferred = followed
+        out = self._output_spec(key, parts, inferred)
+        known = [v for v in inputs.values() if isinstance(v, ArraySpec)]
+        unknown_input = any(v is UNKNOWN_ARRAY for v in inputs.values())
+        arrays = tuple(known) + embedded_t
+        cache_key = (steps_t, arrays, out, unknown_input)
         estimate = self._estimates.get(cache_key)
         if estimate is None:
-            estimate = estimate_task(list(ops), list(arrays), out, self.profile)
-            if len(known) < len(input_specs) and estimate.gpu_capable:
+            estimate = estimate_task(list(steps_t), list(arrays), out, self.profile)
+            if unknown_input and estimate.gpu_capable:
                 estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
                                    why_cpu="an input chunk's size is unknown")
             if self.history is not None:
                 estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate
-        return estimate, out
+        return estimate, out, out if out is not None else inferred
+
+    def _output_spec(self, key: Key, parts: Fused | None, inferred: Value) -> ArraySpec | None:
+        """The task's result: the collection's annotation where it agrees with what the
+        operations give (it knows the dtype for sure), what they give where it does not (Dask
+        annotates a reduction's chunk step with its input's chunks), either where alone."""
+        annotated = None
+        if parts is not None and type(parts.outkey) is tuple:
+            # blockwise fusion keeps the output layer's name; linear fusion renames the key
+            annotated = self.chunks.spec(parts.outkey)
+        annotated = annotated or self.chunks.spec(key)
+        if not isinstance(inferred, ArraySpec):
+            return annotated
+        if annotated is not None and annotated.shape == inferred.shape:
+            return annotated
+        return inferred
 
 
 @dataclass
@@ -236,17 +252,26 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     order = toposort(dsk)
     describer = TaskDescriber(chunks, profile, history)
     specs: dict[Key, ArraySpec | None] = {}
+    values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
     for k in order:
         node = dsk[k]
         if isinstance(node, DataNode):
-            v = node.value
-            specs[k] = ArraySpec(v.shape, v.dtype) if isinstance(v, np.ndarray) else None
-        elif isinstance(node, Alias):
+            value = values[k] = _literal(node.value)  # a chunk, or an array-like to read from
+            specs[k] = value if isinstance(value, ArraySpec) else None
+            continue
+        if isinstance(node, Alias):
             specs[k] = specs.get(resolve(k, k))
-        elif type(node) is Task and not is_eugo_callable(node.func):
-            inputs = [specs.get(resolve(d, d)) for d in node.dependencies]
-            estimates[k], specs[k] = describer.describe(k, node, inputs)
+            values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
+            continue
+        if type(node) is Task and not is_eugo_callable(node.func):
+            inputs = {d: values.get(resolve(d, d), UNKNOWN_ARRAY) for d in node.dependencies}
+            estimates[k], specs[k], handed_on = describer.describe(k, node, inputs)
+            values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
         else:
             specs[k] = None
+            values[k] = UNKNOWN_ARRAY
     return GraphDescription(order, targets, specs, estimates)
+
+
+__all__ = ["GraphDescription", "TaskDescriber", "describe_graph"]

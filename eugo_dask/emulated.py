@@ -227,13 +227,42 @@ def _rebuild_emulated(data: np.ndarray) -> EmulatedDeviceArray:
     return _rebuild_device().wrap(data)
 
 
+def _empty(*args: Any, **kwargs: Any) -> EmulatedDeviceArray:
+    # as cupy.empty: a new array on the device
+    if _rebuild_device is None:
+        raise RuntimeError("eugo_dask.runtime was not imported: no emulated device")
+    return _rebuild_device().wrap(np.empty(*args, **kwargs))
+
+
+def _einsum(*args: Any, **kwargs: Any) -> Any:
+    # as Dask's CuPy registration: CuPy's einsum takes no ``order`` or ``casting``
+    kwargs.pop("casting", None)
+    kwargs.pop("order", None)
+    return np.einsum(*args, **kwargs)
+
+
 def _register_with_dask() -> None:
     """Register emulated arrays with Dask's dispatches exactly where Dask registers CuPy's
-    (``dask/array/backends.py``), so Dask's chunk functions treat both alike."""
+    (``register_cupy`` in ``dask/array/backends.py``), so Dask's chunk functions treat both
+    alike. NumPy's functions dispatch to device arrays through ``__array_function__``."""
     from dask.array.backends import _nannumel, _numel_arraylike
-    from dask.array.dispatch import nannumel_lookup, numel_lookup, to_numpy_dispatch
+    from dask.array.dispatch import (
+        concatenate_lookup,
+        einsum_lookup,
+        empty_lookup,
+        nannumel_lookup,
+        numel_lookup,
+        take_lookup,
+        tensordot_lookup,
+        to_numpy_dispatch,
+    )
     from dask.sizeof import sizeof
 
+    concatenate_lookup.register(EmulatedDeviceArray, np.concatenate)
+    take_lookup.register(EmulatedDeviceArray, np.take)
+    tensordot_lookup.register(EmulatedDeviceArray, np.tensordot)
+    einsum_lookup.register(EmulatedDeviceArray, _einsum)
+    empty_lookup.register(EmulatedDeviceArray, _empty)
     numel_lookup.register(EmulatedDeviceArray, _numel_arraylike)
     nannumel_lookup.register(EmulatedDeviceArray, _nannumel)
     to_numpy_dispatch.register(EmulatedDeviceArray, lambda data, **kwargs: data.get())

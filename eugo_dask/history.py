@@ -89,6 +89,13 @@ class RuntimeHistory:
             return None
         return statistics.median(samples) * max(nbytes, 1)
 
+    def digest(self) -> str:
+        """A token of what has been learned (plans made from it differ when it does)."""
+        from dask.base import tokenize
+
+        with self._lock:
+            return tokenize(sorted((k, tuple(v)) for k, v in self._samples.items()))
+
     def __len__(self) -> int:
         return sum(len(s) for s in self._samples.values())
 

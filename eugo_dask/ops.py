@@ -17,6 +17,7 @@ import operator
 from typing import Any, Final, Literal
 
 import numpy as np
+from dask.utils import methodcaller as dask_methodcaller
 
 #: Where a task runs.
 Placement = Literal["cpu", "gpu"]
@@ -125,71 +126,132 @@ CPU_ONLY_FAMILIES: frozenset[Family] = frozenset({AGGREGATE, IO, UNKNOWN})
 FAMILY_RANK: dict[Family, int] = {MATMUL: 8, FFT: 7, ELEMENTWISE: 6, REDUCTION: 5, MOVEMENT: 4, AGGREGATE: 3,
                 CREATION: 2, IO: 1, DATA: 0, UNKNOWN: 9}
 
-_BY_NAME: dict[str, Family] = {
-    **dict.fromkeys(
-        "_matmul matmul dot vdot inner outer _tensordot tensordot chunk_einsum einsum "
-        "matvec vecmat vecdot".split(),
-        MATMUL,
-    ),
-    **dict.fromkeys(
-        "fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft ihfft "
-        "fftshift ifftshift".split(),
-        FFT,
-    ),
-    **dict.fromkeys(
-        "sum prod nansum nanprod min max amin amax nanmin nanmax _chunk_sum mean_chunk "
-        "moment_chunk nanmean nanvar nanstd mean var std any all count_nonzero "
-        "chunk_min chunk_max cumsum cumprod nancumsum nancumprod".split(),
-        REDUCTION,
-    ),
-    **dict.fromkeys(
-        "mean_agg mean_combine moment_agg moment_combine arg_agg arg_combine _concatenate2 "
-        "partial_reduce _cumsum_merge _cumprod_merge cumreduction finalize _tree_reduce "
-        "_identity_reduce".split(),
-        AGGREGATE,
-    ),
-    **dict.fromkeys(
-        "getter getter_nofancy getter_inline load_store_chunk load_chunk store_chunk load "
-        "fromfile imread _load_chunk".split(),
-        IO,
-    ),
-    **dict.fromkeys(
-        "_apply_random_func _apply_random _broadcast_trick_inner arange linspace eye _eye tri "
-        "ones zeros empty full ones_like zeros_like empty_like full_like".split(),
-        CREATION,
-    ),
-    **dict.fromkeys(
-        "getitem concatenate3 concatenate_shaped concatenate stack transpose reshape moveaxis "
-        "swapaxes _vindex_slice _vindex_merge _vindex_transpose identity _identity_cast "
-        "squeeze expand_dims broadcast_to copy ravel flatten atleast_1d atleast_2d "
-        "atleast_3d".split(),
-        MOVEMENT,
-    ),
-    **dict.fromkeys("where clip round around isclose astype _astype real imag angle".split(),
-                    ELEMENTWISE),
+def _known_functions() -> dict[Any, tuple[Family, str]]:
+    """Every function eugo knows, by identity (as ``dask.array.optimization`` knows its
+    ``GETTERS``): a user's own function that happens to be called ``clip`` or ``sum`` is not
+    NumPy's, and stays unknown (on the host)."""
+    import dask.array.chunk as dchunk
+    import dask.array.core as dcore
+    import dask.array.einsumfuncs as deinsum
+    import dask.array.random as drandom
+    import dask.array.reductions as dred
+    import dask.array.routines as droutines
+    import dask.array.wrap as dwrap
+    import toolz
+    from dask import _task_spec
+
+    table: dict[Any, tuple[Family, str]] = {}
+
+    def add(family: Family, *funcs: Any, name: str | None = None) -> None:
+        for func in funcs:
+            if func is not None:
+                table[func] = (family, str(name or getattr(func, "__name__", type(func).__name__)))
+
+    def numpy(*names: str) -> list[Any]:
+        return [getattr(np, n, None) for n in names]
+
+    add(MATMUL, *numpy("dot", "vdot", "inner", "outer", "tensordot", "einsum"), operator.matmul,
+        droutines._matmul, droutines._tensordot, deinsum.chunk_einsum)
+    add(ELEMENTWISE, *numpy("where", "clip", "round", "around", "real", "imag", "angle"),
+        dchunk.astype)
+    add(ELEMENTWISE, dred._sqrt, name="sqrt")
+    for func, name in _OPERATORS.items():
+        add(MATMUL if name == "matmul" else ELEMENTWISE, func, name=name)
+    add(FFT, *(getattr(np.fft, n) for n in _FFT_NAMES))
+    add(MOVEMENT, np.fft.fftshift, np.fft.ifftshift)
+    add(REDUCTION, *numpy("sum", "prod", "min", "max", "amin", "amax", "nansum", "nanprod",
+                          "nanmin", "nanmax", "mean", "nanmean", "var", "std", "nanvar",
+                          "nanstd", "any", "all", "count_nonzero", *CUMULATIVE),
+        dred.chunk_min, dred.chunk_max, dred.mean_chunk, dred.moment_chunk,
+        droutines._chunk_sum)
+    add(AGGREGATE, dcore._concatenate2, dcore.finalize, dred.mean_agg, dred.mean_combine,
+        dred.moment_agg, dred.moment_combine, dred.arg_agg, dred.arg_combine,
+        dred.nanarg_agg, dred._cumsum_merge, dred._cumprod_merge,
+        getattr(dred, "partial_reduce", None), getattr(dred, "_tree_reduce", None))
+    add(IO, dcore.getter, dcore.getter_nofancy, dcore.getter_inline, dcore.load_store_chunk,
+        dcore.load_chunk, getattr(dcore, "store_chunk", None), np.load, np.fromfile)
+    add(CREATION, *numpy("ones", "zeros", "empty", "full", "ones_like", "zeros_like",
+                         "empty_like", "full_like", "eye", "arange", "linspace", "tri"),
+        dchunk.arange, dchunk.linspace, drandom._apply_random_func, drandom._apply_random,
+        dwrap._broadcast_trick_inner, getattr(droutines, "_linspace", None))
+    add(MOVEMENT, operator.getitem, dchunk.getitem, dcore.concatenate3,
+        dcore.concatenate_shaped, toolz.identity, _task_spec._identity_cast,
+        *numpy("transpose", "swapaxes", "moveaxis", "squeeze", "expand_dims", "broadcast_to",
+               "reshape", "ravel", "copy", "atleast_1d", "atleast_2d", "atleast_3d",
+               "concatenate", "stack", "diagonal", "diag"))
+    return table
+
+
+#: Array methods a ``methodcaller`` may name, with the family of the work they do.
+def _wrappers() -> dict[Any, str]:
+    import dask.array.core as dcore
+
+    return {dcore._enforce_dtype: "enforce_dtype_function", dcore.apply_and_enforce: "_func"}
+
+
+#: Dask's map_blocks wrappers -> the keyword that holds the wrapped function.
+_WRAPPERS = _wrappers()
+_METHODS: dict[str, Family] = {
+    **dict.fromkeys("transpose swapaxes reshape squeeze ravel flatten copy".split(), MOVEMENT),
+    **dict.fromkeys("astype conj conjugate".split(), ELEMENTWISE),
 }
+_FFT_NAMES = ("fft ifft fft2 ifft2 fftn ifftn rfft irfft rfft2 irfft2 rfftn irfftn hfft "
+              "ihfft").split()
+_MATMUL_UFUNCS = frozenset({"matmul", "matvec", "vecmat", "vecdot"})
 _IO_MODULES = ("zarr", "h5py", "tifffile", "netCDF4", "xarray.backends", "tiledb", "imageio")
+_KNOWN: dict[Any, tuple[Family, str]] | None = None
 
 
-@functools.lru_cache(maxsize=4096)
 def _classify_cached(func: Any) -> tuple[Family, str]:
+    global _KNOWN
     if isinstance(func, np.ufunc):
         name = func.__name__
-        return (MATMUL if name in ("matmul", "matvec", "vecmat", "vecdot") else ELEMENTWISE), name
-    if func in _OPERATORS:
-        name = _OPERATORS[func]
-        return (MATMUL if name == "matmul" else ELEMENTWISE), name
+        if func.nout != 1:  # modf, frexp, divmod: tuples of arrays
+            return UNKNOWN, name
+        return (MATMUL if name in _MATMUL_UFUNCS else ELEMENTWISE), name
+    if _KNOWN is None:
+        _KNOWN = _known_functions()
+    known = _KNOWN.get(func)
+    if known is not None:
+        return known
     name = getattr(func, "__name__", None) or type(func).__name__
+    if isinstance(func, (operator.methodcaller, dask_methodcaller)):
+        method = _method_name(func)
+        return _METHODS.get(method, UNKNOWN), method
     module = getattr(func, "__module__", None) or ""
-    if module.startswith(_IO_MODULES):
+    if isinstance(module, str) and module.startswith(_IO_MODULES):
         return IO, name
-    if module.startswith(("numpy.fft", "scipy.fft", "scipy.fftpack")):
-        return FFT, name
-    return _BY_NAME.get(name, UNKNOWN), name
+    return UNKNOWN, name
+
+
+def _method_name(caller: Any) -> str:
+    """The method a ``methodcaller`` calls (operator's keeps it behind ``__reduce__``)."""
+    name = getattr(caller, "method", None)  # dask.utils.methodcaller
+    if isinstance(name, str):
+        return name
+    reduced = caller.__reduce__()
+    args = reduced[1] if reduced[0] is operator.methodcaller else getattr(reduced[0], "args", ())
+    return args[0] if args and isinstance(args[0], str) else ""
+
+
+_classify_lru = functools.lru_cache(maxsize=4096)(_classify_cached)
+
+
+def classify_node(node: Any) -> tuple[Family, str]:
+    """Op family and short name of a task's function; Dask's ``map_blocks`` wrappers
+    (``_enforce_dtype``, ``apply_and_enforce``) are classified by the function they wrap."""
+    func = node.func
+    if func in _WRAPPERS:
+        wrapped = node.kwargs.get(_WRAPPERS[func])
+        if callable(wrapped):
+            return classify_func(wrapped)
+    return classify_func(func)
 
 
 def classify_func(func: Any) -> tuple[Family, str]:
     """Op family and short name of a chunk function (``functools.partial`` unwrapped).
+
+    Functions are recognised by identity; anything else is ``unknown`` and stays on the host.
 
     >>> classify_func(np.sin)
     ('elementwise', 'sin')
@@ -205,6 +267,6 @@ def classify_func(func: Any) -> tuple[Family, str]:
                 return AGGREGATE, families[-1][1]
         return max(families, key=lambda fam: FAMILY_RANK[fam[0]])
     try:
-        return _classify_cached(func)
+        return _classify_lru(func)
     except TypeError:  # unhashable callable
-        return _classify_cached.__wrapped__(func)
+        return _classify_cached(func)

@@ -29,21 +29,16 @@ from typing import Any, NamedTuple
 import dask
 from dask._task_spec import GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
+from dask.base import tokenize
 
+from eugo_dask._version import __version__
 from eugo_dask.config import Settings, cluster_profile, read_settings, resolve_profile
 from eugo_dask.describe import GraphDescription, describe_graph
-from eugo_dask.graph import ChunkInfo, Key, task_spec_dict
+from eugo_dask.graph import ChunkInfo, Key, flatten_keys, task_spec_dict
 from eugo_dask.history import ensure_local_timing, expect, get_history
-from eugo_dask.ops import GPU
 from eugo_dask.plan import Plan, place
 from eugo_dask.profile import Profile, load_profile
-from eugo_dask.rewrite import (
-    GPU_PREFIX,
-    annotated_graph,
-    prefixed_key,
-    rewrite_graph,
-    roles_of_rewritten,
-)
+from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -136,15 +131,33 @@ def _split_and_describe(graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInf
     return _Described(graph, keys, describe_graph(graph, chunks, profile, history), profile)
 
 
-def _expect_timings(plan: Plan, settings: Settings) -> None:
-    """With eugo.learn on: have the tasks of ``plan`` timed when they run."""
+def _expect_timings(plan: Plan, settings: Settings, executed: dict[Key, Key]) -> None:
+    """With eugo.learn on: have the tasks of ``plan`` timed when they run (under the keys
+    they run as, ``executed``)."""
     history = get_history(settings.history)
     ensure_local_timing(history)
-    expect({
-        (prefixed_key(d.key, GPU_PREFIX) if d.device == GPU else d.key):
-            (d.op, d.device, d.bytes, history)
-        for d in plan
-    })
+    expect({executed.get(d.key, d.key): (d.op, d.device, d.bytes, history) for d in plan})
+
+
+def _token(settings: Settings, profile: Profile) -> str:
+    """Eight hex digits naming everything a plan depends on besides the graph itself: the
+    settings, the profile and, with learning on, the learned durations. They go into every key
+    eugo writes or renames, so a key means one thing whoever computes it."""
+    learned = get_history(settings.history).digest() if settings.learn else None
+    return tokenize(settings.to_dict(), profile, learned, __version__)[:8]
+
+
+def _user_annotations(dsk: Any) -> dict[str, dict[Key, Any]]:
+    """Per-key annotations the user put on a HighLevelGraph's layers (Dask's fusion drops
+    them, but ``optimization.fuse.active: False`` keeps them), to be carried to the tasks eugo
+    writes in their place."""
+    carried: dict[str, dict[Key, Any]] = {}
+    for layer in getattr(dsk, "layers", {}).values():
+        for kind, value in (getattr(layer, "annotations", None) or {}).items():
+            by_key = carried.setdefault(kind, {})
+            for key in layer:
+                by_key[key] = value(key) if callable(value) else value
+    return carried
 
 
 def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: Any) -> Any:
@@ -222,18 +235,25 @@ def _gc_paused() -> Iterator[None]:
 def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInfo,
                       settings: Settings, profile: Profile) -> Any:
     """split -> describe -> place -> rewrite; ``dsk`` itself where nothing goes to the GPU."""
+    original = graph
     described = _split_and_describe(graph, keys, chunks, settings, profile)
     plan = described.place(settings)
     graph = described.graph
     recent_plans.append({"time": time.time(), "profile": plan.profile_name,
                          "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
                          **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
-    if settings.learn:
-        _expect_timings(plan, settings)
     if not plan.gpu_keys:
+        if settings.learn:
+            _expect_timings(plan, settings, {})
         return dsk
     logger.debug("eugo: %d of %d tasks on the GPU", len(plan.gpu_keys), len(plan))
-    return rewrite_graph(graph, plan, device=settings.device, resource=settings.resource)
+    how = Rewrite(settings.device, settings.resource, _token(settings, profile),
+                  _user_annotations(dsk))
+    rewritten = rewrite_graph(graph, plan, described.description.order, original,
+                              flatten_keys(keys), how)
+    if settings.learn:
+        _expect_timings(plan, settings, rewritten.executed)
+    return rewritten.graph
 
 
 eugo._eugo_pass = True  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
@@ -51,19 +51,28 @@ def _alphabetic_words(name: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _prefixed_name(name: str, prefix: str) -> str:
-    return "-".join([prefix, *_alphabetic_words(key_split(name))]) + "-" + name
+def _prefixed_name(name: str, prefix: str, token: str) -> str:
+    return "-".join([prefix, *_alphabetic_words(key_split(name)), name, token])
 
 
-def prefixed_key(key: Any, prefix: str) -> Any:
-    """``("chunk_sum-abc", 0, 1)`` -> ``("eugo-gpu-chunk-sum-chunk_sum-abc", 0, 1)``.
+def prefixed_key(key: Key, prefix: str, token: str) -> Key:
+    """``("chunk_sum-abc", 0, 1)`` -> ``("eugo-gpu-chunk-sum-chunk_sum-abc-<token>", 0, 1)``.
 
-    The original name is kept whole (keys stay unique) after a copy of its task prefix in
-    alphabetic words, so the dashboard's prefix (``key_split``) reads ``eugo-gpu-chunk-sum``.
+    The original name is kept whole after a copy of its task prefix in alphabetic words, so the
+    dashboard's prefix (``key_split``) reads ``eugo-gpu-chunk-sum``; ``token`` names the
+    settings the plan was made under, so a key keeps one meaning across plans.
     """
     if isinstance(key, tuple):
-        return (_prefixed_name(str(key[0]), prefix), *key[1:])
-    return _prefixed_name(str(key), prefix)
+        return (_prefixed_name(str(key[0]), prefix, token), *key[1:])
+    return _prefixed_name(str(key), prefix, token)
+
+
+def renamed_key(key: Key, token: str) -> Key:
+    """A key whose task eugo changed (or whose inputs it renamed): ``name`` -> ``name-<token>``.
+    The prefix the dashboard shows is unchanged (``key_split`` stops at the token)."""
+    if isinstance(key, tuple):
+        return (f"{key[0]}-{token}", *key[1:])
+    return f"{key}-{token}"
 
 
 #: What a task of a rewritten graph is, carried to the scheduler in the ``eugo`` annotation:
@@ -82,43 +91,50 @@ RoleEntry = tuple[Role, float | None, float | None]
 
 
 class TaskRoles:
-    """What each task of a rewritten graph is, for the distributed scheduler.
+    """What each task of a rewritten graph is, for the distributed scheduler, plus the user's
+    own annotations of the tasks it came from.
 
-    Two per-key annotations come from it: ``resources`` (``{resource: 1}`` for device work and
-    transfers, so only GPU workers run them) and ``eugo`` (``{"role": ..., "cpu_s": ...,
-    "est_s": ...}``): ``host`` marks aggregation, ``finalize`` and I/O, which belong on CPU
-    workers. Keys with no role get None, which the scheduler ignores.
+    Per-key annotations come from it: ``resources`` (``{resource: 1}`` for device work and
+    transfers, so only GPU workers run them, merged with any resources the user asked for),
+    ``eugo`` (``{"role": ..., "cpu_s": ..., "est_s": ...}``: ``host`` marks aggregation,
+    ``finalize`` and I/O, which belong on CPU workers), and every annotation the user put on
+    the original tasks (``carried``: type -> key -> value). Keys with nothing get None, which
+    the scheduler ignores.
     """
 
-    def __init__(self, roles: dict[Key, RoleEntry], resource: str) -> None:
+    def __init__(self, roles: dict[Key, RoleEntry], resource: str,
+                 carried: dict[str, dict[Key, Any]] | None = None) -> None:
         self.roles = roles
         self.resource = resource
+        self.carried = carried or {}
 
-    def resources(self, key: Any) -> dict[str, int] | None:
-        role = self.roles.get(key)
-        return {self.resource: 1} if role is not None and role[0] in DEVICE_ROLES else None
-
-    def eugo(self, key: Any) -> dict[str, Any] | None:
-        role = self.roles.get(key)
-        if role is None:
-            return None
-        return {"role": role[0], "cpu_s": role[1], "est_s": role[2]}
+    def value(self, kind: str, key: Key) -> Any:
+        """The ``kind`` annotation of ``key``."""
+        if kind == "eugo":
+            role = self.roles.get(key)
+            return None if role is None else {"role": role[0], "cpu_s": role[1], "est_s": role[2]}
+        user = self.carried.get(kind, {}).get(key)
+        if kind == "resources":
+            role = self.roles.get(key)
+            if role is not None and role[0] in DEVICE_ROLES:
+                return {**(user or {}), self.resource: 1}
+        return user
 
     def annotations(self) -> dict[str, Any]:
-        return {"resources": _Lookup(self, "resources"), "eugo": _Lookup(self, "eugo")}
+        return {kind: _Lookup(self, kind) for kind in {"resources", "eugo", *self.carried}}
 
 
 class _Lookup:
-    """A picklable per-key annotation callable: ``roles.<method>(key)``."""
+    """A picklable per-key annotation callable: ``roles.value(kind, key)``."""
 
-    def __init__(self, roles: TaskRoles, method: str) -> None:
-        self.roles, self.method = roles, method
+    def __init__(self, roles: TaskRoles, kind: str) -> None:
+        self.roles, self.kind = roles, kind
 
-    def __call__(self, key: Any) -> Any:
-        return getattr(self.roles, self.method)(key)
+    def __call__(self, key: Key) -> Any:
+        return self.roles.value(self.kind, key)
 
-    def __reduce__(self):
-        return (_Lookup, (self.roles, self.method))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Lookup, (self.roles, self.kind))
 
 
 def annotated_graph(dsk: Graph, roles: TaskRoles) -> HighLevelGraph:
@@ -173,8 +189,31 @@ def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
     return arg
 
 
-def rewrite_graph(dsk: Graph, plan: Plan, *, device: str, resource: str) -> HighLevelGraph:
-    """Apply ``plan`` to ``dsk`` (task-spec nodes): see the module docstring."""
+class Rewrite(NamedTuple):
+    """How a plan becomes a graph: the device that runs GPU tasks, the worker resource they
+    ask for, the token that names the settings (it goes into every key eugo writes), and the
+    user's own annotations of the original keys (type -> key -> value)."""
+
+    device: str
+    resource: str
+    token: str
+    carried: dict[str, dict[Key, Any]]
+
+
+class Rewritten(NamedTuple):
+    """The rewritten graph, and for each planned task the key it runs under."""
+
+    graph: HighLevelGraph
+    executed: dict[Key, Key]
+
+
+def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, outputs: set[Key],
+                  how: Rewrite) -> Rewritten:
+    """Apply ``plan`` to ``dsk`` (task-spec nodes, in dependency ``order``): see the module
+    docstring. ``original`` is the graph as Dask's optimization left it: a key whose task
+    differs from its task there (or reads a key that was renamed) gets a new name, unless it is
+    one of the ``outputs``, so a key keeps one meaning whoever computes it."""
+    device, token = how.device, how.token
     out = dict(dsk)
     gpu = set(plan.gpu_keys)
     targets = alias_targets(dsk)
@@ -183,17 +222,19 @@ def rewrite_graph(dsk: Graph, plan: Plan, *, device: str, resource: str) -> High
         return targets.get(k, k)
 
     roles: dict[Key, RoleEntry] = {}
+    origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
     h2d: dict[Key, Key] = {}
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
 
     def device_input(dep: Key) -> Key:
         source = resolve(dep)
         if source in gpu:
-            return prefixed_key(source, GPU_PREFIX)
+            return prefixed_key(source, GPU_PREFIX, token)
         if source not in h2d:
-            h2d[source] = key = prefixed_key(source, H2D_PREFIX)
+            h2d[source] = key = prefixed_key(source, H2D_PREFIX, token)
             out[key] = Task(key, to_device, TaskRef(source), device)
             roles[key] = (TODEVICE_ROLE, None, None)
+            origin[key] = source
         return h2d[source]
 
     for decision in plan:
@@ -213,17 +254,18 @@ def rewrite_graph(dsk: Graph, plan: Plan, *, device: str, resource: str) -> High
             if id(inner) not in inner_on_device:
                 inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
             args = (inner_on_device[id(inner)], *args[1:])
-        device_key = prefixed_key(key, GPU_PREFIX)
-        out[device_key] = Task(
-            device_key, DeviceCall(node.func, device, key_split(key)), *args, **kwargs
-        )
+        device_key = prefixed_key(key, GPU_PREFIX, token)
+        out[device_key] = Task(device_key, DeviceCall(node.func, device, key_split(key)), *args,
+                               _data_producer=node.data_producer, **kwargs)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
+        origin[device_key] = key
         if plan.needs_host(key):
             # the copy back gets a prefix of its own (the task stream tells it apart); the
             # original key, which outputs and CPU consumers read, is an alias of it
-            host_key = prefixed_key(key, D2H_PREFIX)
+            host_key = prefixed_key(key, D2H_PREFIX, token)
             out[host_key] = Task(host_key, to_host, TaskRef(device_key), device)
             roles[host_key] = (TOHOST_ROLE, None, None)
+            origin[host_key] = key
             out[key] = Alias(key, host_key)
         else:
             del out[key]
@@ -231,4 +273,59 @@ def rewrite_graph(dsk: Graph, plan: Plan, *, device: str, resource: str) -> High
     for key, source in targets.items():
         if source in gpu and not plan.needs_host(source):
             del out[key]
-    return annotated_graph(out, TaskRoles(roles, resource))
+
+    renames = _renames(out, order, original, outputs, set(origin), token)
+    graph = _renamed_graph(out, renames)
+    roles = {renames.get(k, k): r for k, r in roles.items()}
+    carried = _carried(how.carried, renames, origin) if how.carried else {}
+    executed = {d.key: (prefixed_key(d.key, GPU_PREFIX, token) if d.device == GPU
+                        else renames.get(d.key, d.key)) for d in plan}
+    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), executed)
+
+
+def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
+             written: set[Key], token: str) -> dict[Key, Key]:
+    """New names for the original keys whose meaning changed: their task is not Dask's (split
+    from a fused task, turned into an alias of a copy back) or reads a renamed key. Keys eugo
+    wrote carry the token already; outputs keep their names (their values are Dask's)."""
+    changed = set(written)
+    renames: dict[Key, Key] = {}
+    for key in order:
+        node = out.get(key)
+        if node is None:
+            continue  # moved to the device and consumed there
+        if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
+            changed.add(key)
+            if key not in outputs:
+                renames[key] = renamed_key(key, token)
+    return renames
+
+
+def _renamed_graph(out: Graph, renames: dict[Key, Key]) -> dict[Key, GraphNode]:
+    if not renames:
+        return dict(out)
+    graph: dict[Key, GraphNode] = {}
+    for key, node in out.items():
+        new_key = renames[key] if key in renames else key
+        if isinstance(node, Alias):  # (Alias.substitute keeps its key when nothing else changes)
+            target: Key = node.target
+            if new_key != key or target in renames:
+                node = Alias(new_key, renames.get(target, target))
+        elif new_key != key or not renames.keys().isdisjoint(node.dependencies):
+            node = node.substitute(renames, key=new_key)
+        graph[new_key] = node
+    return graph
+
+
+def _carried(user: dict[str, dict[Key, Any]], renames: dict[Key, Key],
+             origin: dict[Key, Key]) -> dict[str, dict[Key, Any]]:
+    """The user's annotations, keyed by the final keys: a renamed key keeps its own, a key
+    eugo wrote takes those of the key it stands in for."""
+    carried: dict[str, dict[Key, Any]] = {}
+    for kind, values in user.items():
+        by_key = {renames.get(k, k): v for k, v in values.items()}
+        for written, source in origin.items():
+            if source in values:
+                by_key[written] = values[source]
+        carried[kind] = by_key
+    return carried

@@ -173,12 +173,25 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
 def _device_to_host(device: Device) -> Callable[[Any], Any]:
     def convert(value: Any) -> Any:
         if device.is_device_array(value):
-            host = _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
-            # devices keep scalars as 0-d arrays; NumPy hands out scalars, as plain Dask does
-            return host[()] if host.ndim == 0 else host
+            return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
         return value
 
     return convert
+
+
+class ZeroDimensionalResult(TypeError):
+    """A device task produced a 0-d array: NumPy would have handed back either a scalar or a
+    0-d array, and only the CPU path can say which (the planner keeps 0-d results on the host;
+    this guards the rest)."""
+
+
+def _check_no_0d(value: Any, device: Device) -> None:
+    def check(v: Any) -> Any:
+        if device.is_device_array(v) and v.ndim == 0:
+            raise ZeroDimensionalResult("a 0-d device result; NumPy's type is the CPU path's")
+        return v
+
+    _map_arrays(value, check)
 
 
 def to_device(value: Any, device_name: str) -> Any:
@@ -282,6 +295,7 @@ class DeviceCall:
             args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
             with _context_meter().meter("eugo-device-compute"):
                 result = self.func(*args, **kwargs)
+            _check_no_0d(result, device)
         except Exception as exc:
             return self._fall_back(device, exc, args, kwargs)
         _stats.add(tasks=1)

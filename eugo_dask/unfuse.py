@@ -42,7 +42,9 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
     out: dict[Key, GraphNode] | None = None
     families_of: dict[int, set[Family]] = {}
     templates: dict[int, ReadTemplate | None] = {}
-    for key, node in dsk.items():
+    pending = list(dsk.items())
+    while pending:  # what a split exposes (a blockwise task inside a linear chain) is split too
+        key, node = pending.pop()
         parts = fused(node)
         if parts is None:
             continue
@@ -54,9 +56,11 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
         if not parts.is_blockwise:
             if out is None:
                 out = dict(dsk)
-            out.update(parts.inner)
-            if key != parts.outkey:
-                out[key] = Alias(key, parts.outkey)
+            exposed = dict(parts.inner)
+            if key not in exposed:  # (a nested fused task may carry the outer task's key)
+                exposed[key] = Alias(key, parts.outkey)
+            out.update(exposed)
+            pending.extend(exposed.items())
         elif IO in families:
             if id(parts.inner) not in templates:
                 templates[id(parts.inner)] = _read_template(parts)
@@ -64,7 +68,8 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
             if template is not None:
                 if out is None:
                     out = dict(dsk)
-                out.update(_split_reads(key, parts, template, chunks))
+                assert type(node) is Task
+                out.update(_split_reads(key, node, parts, template, chunks))
     return dsk if out is None else out
 
 
@@ -86,8 +91,10 @@ def _read_template(parts: Fused) -> ReadTemplate | None:
     return ReadTemplate(reads, {k: n for k, n in parts.inner.items() if k not in reads})
 
 
-def _split_reads(key: Key, parts: Fused, template: ReadTemplate,
+def _split_reads(key: Key, node: Task, parts: Fused, template: ReadTemplate,
                  chunks: ChunkInfo) -> dict[Key, GraphNode]:
+    """The reads as tasks of their own (data producers, as the fused task was, so the
+    scheduler queues them as root tasks) and the rest of the fused task reading them."""
     bound = parts.bound_inputs()
     used = set().union(*(n.dependencies for n in template.remaining.values()))
     kept = [(p, d) for p, d in zip(parts.inkeys, parts.deps) if p in used]  # drop what only reads used
@@ -97,7 +104,8 @@ def _split_reads(key: Key, parts: Fused, template: ReadTemplate,
         read = parts.inner[inner_key].substitute(bound)
         assert isinstance(read, Task)
         read_key = _read_key(inner_key, read, chunks)
-        tasks[read_key] = Task(read_key, read.func, *read.args, **read.kwargs)
+        tasks[read_key] = Task(read_key, read.func, *read.args,
+                               _data_producer=node.data_producer, **read.kwargs)
         new_inkeys.append(inner_key)
         new_deps.append(TaskRef(read_key))
     tasks[key] = Fused(template.remaining, parts.outkey, tuple(new_inkeys), tuple(new_deps)).task(key)
