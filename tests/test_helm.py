@@ -3,13 +3,11 @@ rendered container commands run as real local processes against each other."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,8 +16,6 @@ import kubernetes_validate
 import pytest
 import yaml
 from helm_python import Chart, HelmValuesError
-
-from eugo_dask.k8s import store_profile
 
 from .cluster import DASK_CLI, free_port
 
@@ -153,34 +149,6 @@ def test_calibration_job_can_write_only_its_configmap():
 def test_bad_values_rejected_with_a_clear_message(values, match):
     with pytest.raises(HelmValuesError, match=match):
         Chart.load(CHART).validate_schema(values)
-
-
-def test_calibration_store_patches_the_configmap(tmp_path):
-    received = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PATCH(self):
-            received["path"] = self.path
-            received["auth"] = self.headers["Authorization"]
-            received["type"] = self.headers["Content-Type"]
-            received["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.handle_request, daemon=True).start()
-    profile = tmp_path / "profile.yaml"
-    profile.write_text("base: h200\n")
-    status = store_profile(profile, "demo-eugo-dask-eugo-profile", "dask",
-                           api_url=f"http://127.0.0.1:{server.server_port}", token="t0ken")
-    server.server_close()
-    assert status == 200
-    assert received == {"path": "/api/v1/namespaces/dask/configmaps/demo-eugo-dask-eugo-profile",
-                        "auth": "Bearer t0ken", "type": "application/merge-patch+json",
-                        "body": {"data": {"profile.yaml": "base: h200\n"}}}
 
 
 def _container(docs: list[dict], deployment: str) -> dict:
