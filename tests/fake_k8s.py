@@ -74,7 +74,7 @@ class FakeApiServer:
             context.load_cert_chain(tls_dir / "tls.crt", tls_dir / "tls.key")
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True)
             self.scheme = "https"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
 
     @property
     def url(self) -> str:
