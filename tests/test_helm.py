@@ -3,6 +3,7 @@ upgrades, and the rendered container commands run as real local processes agains
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import yaml
 from helm_python import Chart, HelmRenderError, HelmValuesError
 
 from .cluster import DASK_CLI, free_port
-from .fake_k8s import FakeApiServer
+from .fake_k8s import FakeApiServer, make_certificate
 
 CHART = Path(__file__).resolve().parents[1] / "helm" / "eugo-dask"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
@@ -99,7 +101,7 @@ def calibration_job(docs) -> dict:
 # --- lint, schema, validation, kustomize ------------------------------------------------------
 def test_ci_values_files_cover_the_options():
     assert set(NAMES) >= {"default", "gpu-off", "cuda-worker", "calibration", "ingress",
-                          "pdb-monitoring", "two-gpu-types", "everything"}
+                          "pdb-monitoring", "two-gpu-types", "everything", "tls"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -365,6 +367,22 @@ def test_everything_reaches_the_pods():
     assert set(by_kind(docs, "PodDisruptionBudget")) == {"demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker"}
 
 
+def test_tls_reaches_every_dask_process():
+    docs = rendered("tls")
+    pods = pod_specs(docs)
+    for name in ("demo-eugo-dask-scheduler", "demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker", "demo-eugo-dask-test"):
+        (c,) = pods[name]["containers"]
+        assert env(c)["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True", name
+        assert env(c)["DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"] == "/etc/dask/tls/tls.crt", name
+        assert {"name": "dask-tls", "mountPath": "/etc/dask/tls", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "dask-tls", "secret": {"secretName": "dask-tls"}} in pods[name]["volumes"]
+    assert args_after(pods["demo-eugo-dask-scheduler"]["containers"][0]["args"], "--protocol") == "tls"
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["args"][2] == "tls://demo-eugo-dask-scheduler:8786"
+    assert "tls://demo-eugo-dask-scheduler:8786" in render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    with pytest.raises(HelmRenderError, match=r"tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key"):
+        render({"tls": {"enabled": True}})
+
+
 def test_cuda_worker_mode():
     pod = pod_specs(rendered("cuda-worker"))["demo-eugo-dask-gpu-worker"]
     args = pod["containers"][0]["args"]
@@ -509,9 +527,10 @@ def _local(args: list[str], env_list: list[dict], rewrites: dict[str, str], pod_
     rewritten, $(VAR) expanded, the dask CLI of this environment."""
     variables = {e["name"]: e.get("value", pod_name) for e in env_list}
     for name, value in variables.items():
+        value = str(scratch) + value[4:] if value.startswith("/tmp") else value
         for old, new in rewrites.items():
             value = value.replace(old, new)
-        variables[name] = str(scratch) + value[4:] if value.startswith("/tmp") else value
+        variables[name] = value
     out = []
     for arg in args:
         for old, new in rewrites.items():
@@ -532,19 +551,16 @@ def _plan_profiles(address: str) -> list[str]:
             lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary()["plans"])]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_rendered_commands_run_as_local_processes(tmp_path):
-    values = {"eugo": {"device": "emulated"}, "calibration": {"enabled": True},
-              "workerGroups": [{"name": "cpu", "memoryLimit": "2GiB"},
-                               {"name": "gpu", "memoryLimit": "2GiB", "gpu": {"type": "t4"}}]}
+@contextlib.contextmanager
+def launched(values: dict, tmp_path: Path, rewrites: dict[str, str]) -> Iterator[tuple[str, Callable]]:
+    """The rendered scheduler, GPU-worker and CPU-worker containers as local processes; yields
+    the scheduler's address and a function that runs the helm test pod's script (with extra
+    environment) and returns its output."""
     docs = render(values)
     port, dash = free_port(), free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    profile_dir = tmp_path / "etc-eugo"
-    profile_dir.mkdir()
-    rewrites = {"tcp://demo-eugo-dask-scheduler:8786": address, ":8787": f":{dash}",
-                ":8788": ":0", "/etc/eugo": str(profile_dir)}
+    scheme = "tls" if values.get("tls", {}).get("enabled") else "tcp"
+    address = f"{scheme}://127.0.0.1:{port}"
+    rewrites = {f"{scheme}://demo-eugo-dask-scheduler:8786": address, ":8787": f":{dash}", ":8788": ":0"} | rewrites
     pods = pod_specs(docs)
     procs, logs = [], []
     try:
@@ -561,16 +577,12 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
             if name == "scheduler":
                 time.sleep(2)
         (c,) = pods["demo-eugo-dask-test"]["containers"]
-        script = str(CHART / "files" / "helm-test.py")
         _, test_env = _local(["dask"], c["env"], rewrites, "test", tmp_path)
 
-        def helm_test(expect_profile: str | None) -> str:
-            run_env = test_env | {"DASK_SCHEDULER_ADDRESS": address}
-            run_env.pop("EUGO_TEST_PROFILE", None)
-            if expect_profile:
-                run_env["EUGO_TEST_PROFILE"] = expect_profile
-            result = subprocess.run([sys.executable, script], env=run_env, capture_output=True,
-                                    text=True, timeout=180)
+        def helm_test(**extra_env: str) -> str:
+            result = subprocess.run([sys.executable, str(CHART / "files" / "helm-test.py")],
+                                    env=test_env | {"DASK_SCHEDULER_ADDRESS": address} | extra_env,
+                                    capture_output=True, text=True, timeout=180)
             logs_text = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
             assert result.returncode == 0, result.stdout + result.stderr + logs_text
             assert "connected to" in result.stdout and result.stdout.strip().endswith("ok")
@@ -578,12 +590,36 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
             assert on_gpu > 0
             return result.stdout
 
-        # no calibration stored yet: the client's auto is planned with the GPU group's preset
-        out = helm_test("t4")
-        assert "planned with profile t4" in out
-        # the Job stores its profile (here: as the kubelet would project the ConfigMap key)
+        yield address, helm_test
+    finally:
+        for p in procs[::-1]:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for log in logs:
+            log.close()
+
+
+LOCAL = {"eugo": {"device": "emulated"},
+         "workerGroups": [{"name": "cpu", "memoryLimit": "2GiB"},
+                          {"name": "gpu", "memoryLimit": "2GiB", "gpu": {"type": "t4"}}]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rendered_commands_run_as_local_processes(tmp_path):
+    profile_dir = tmp_path / "etc-eugo"
+    profile_dir.mkdir()
+    values = LOCAL | {"calibration": {"enabled": True}}
+    with launched(values, tmp_path, {"/etc/eugo": str(profile_dir)}) as (address, helm_test):
+        # nothing calibrated yet: the test client's auto is planned with the GPU group's preset
+        assert "planned with profile t4" in helm_test(EUGO_TEST_PROFILE="t4")
+        # the Job stores its profile (here: as the kubelet projects the ConfigMap's new key)
         (profile_dir / "calibrated.yaml").write_text("name: calibrated-here\nbase: t4\n")
-        out = helm_test("calibrated-here")
+        helm_test(EUGO_TEST_PROFILE="calibrated-here")
         assert _plan_profiles(address)[-2:] == ["t4", "calibrated-here"]
         # the scheduler loaded the plugin and the GPU group's worker ran the device work
         from distributed import Client
@@ -595,13 +631,27 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
             names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
             by_name = {names[a]: s for a, s in stats.items()}
         assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
-    finally:
-        for p in procs[::-1]:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl to make a certificate")
+def test_rendered_commands_with_tls_admit_only_certificate_holders(tmp_path):
+    certs = tmp_path / "tls"
+    shutil.copy(make_certificate(certs, "127.0.0.1"), certs / "ca.crt")
+    with launched(LOCAL | VALUE_SETS["tls"], tmp_path, {"/etc/dask/tls": str(certs)}) as (address, helm_test):
+        assert address.startswith("tls://")
+        helm_test()
+        # a client that trusts the CA but whose own certificate it did not sign is turned away
+        other = tmp_path / "other"
+        make_certificate(other, "127.0.0.1")
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+        code = ("from distributed import Client, Security\n"
+                f"Client({address!r}, timeout=5, security=Security(tls_ca_file={str(certs / 'ca.crt')!r}, "
+                f"tls_client_cert={str(other / 'tls.crt')!r}, tls_client_key={str(other / 'tls.key')!r}))")
+        result = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and re.search(r"SSL\w*Error", result.stderr), result.stderr
+        deadline = time.monotonic() + 10  # the scheduler logs the refusal as it closes the connection
+        while "TLS handshake failed" not in (tmp_path / "scheduler.log").read_text():
+            assert time.monotonic() < deadline, "the scheduler did not refuse the handshake"
+            time.sleep(0.1)

@@ -28,7 +28,24 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
 {{- define "eugo-dask.schedulerAddress" -}}
-{{- printf "tcp://%s-scheduler:%v" (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
+{{- printf "%s://%s-scheduler:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
+{{- end -}}
+
+{{/* With tls.enabled, what a Dask process needs: the Secret and Dask's TLS config. */}}
+{{- define "eugo-dask.tlsVolume" -}}
+{{- if not .Values.tls.secretName }}
+{{- fail "tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key" }}
+{{- end -}}
+{{- toJson (dict "name" "dask-tls" "secret" (dict "secretName" .Values.tls.secretName)) -}}
+{{- end -}}
+
+{{- define "eugo-dask.tlsEnv" -}}
+- {name: DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION, value: "True"}
+- {name: DASK_DISTRIBUTED__COMM__TLS__CA_FILE, value: /etc/dask/tls/ca.crt}
+{{- range list "SCHEDULER" "WORKER" "CLIENT" }}
+- {name: DASK_DISTRIBUTED__COMM__TLS__{{ . }}__CERT, value: /etc/dask/tls/tls.crt}
+- {name: DASK_DISTRIBUTED__COMM__TLS__{{ . }}__KEY, value: /etc/dask/tls/tls.key}
+{{- end }}
 {{- end -}}
 
 {{/* The worker groups, each workerDefaults with the group's own keys on top, as a JSON list;
@@ -123,7 +140,8 @@ topologySpreadConstraints:
 {{- end -}}
 
 {{/* Container settings shared by every container: image, env, resources, securityContext,
-     mounts. (root, pod, gpus, env: the component's own EnvVars) The pod's env replaces an
+     mounts. (root, pod, gpus, env: the component's own EnvVars, mounts: its own volumeMounts,
+     dask: true for a Dask process, which gets the TLS settings) The pod's env replaces an
      entry of the same name. */}}
 {{- define "eugo-dask.containerSettings" -}}
 {{ include "eugo-dask.image" . }}
@@ -133,7 +151,11 @@ topologySpreadConstraints:
        runtime, a pod without GPUs would see them all */}}
 {{- $env = append $env (dict "name" "NVIDIA_VISIBLE_DEVICES" "value" "void") }}
 {{- end }}
-{{- $env = concat $env (.env | default list) (list
+{{- $env = concat $env (.env | default list) }}
+{{- if and .dask .root.Values.tls.enabled }}
+{{- $env = concat $env (include "eugo-dask.tlsEnv" . | fromYamlArray) }}
+{{- end }}
+{{- $env = concat $env (list
       (dict "name" "HOME" "value" "/tmp")
       (dict "name" "XDG_CACHE_HOME" "value" "/tmp/cache")
       (dict "name" "DASK_TEMPORARY_DIRECTORY" "value" "/tmp/dask")) }}
@@ -161,6 +183,9 @@ securityContext:
 volumeMounts:
   - name: scratch
     mountPath: /tmp
+{{- if and .dask .root.Values.tls.enabled }}
+  - {name: dask-tls, mountPath: /etc/dask/tls, readOnly: true}
+{{- end }}
 {{- with .mounts }}
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -177,11 +202,15 @@ volumeMounts:
 - {name: DASK_EUGO__LEARN, value: {{ .root.Values.eugo.learn | quote }}}
 {{- end -}}
 
-{{/* Volumes: the /tmp scratch emptyDir (size-limited), the component's, the pod's. */}}
+{{/* Volumes: the /tmp scratch emptyDir (size-limited), the TLS Secret for a Dask process,
+     the component's, the pod's. (root, pod, dask, volumes) */}}
 {{- define "eugo-dask.volumes" -}}
 - name: scratch
   emptyDir:
     sizeLimit: {{ .pod.scratchSizeLimit | default "1Gi" }}
+{{- if and .dask .root.Values.tls.enabled }}
+- {{ include "eugo-dask.tlsVolume" .root }}
+{{- end }}
 {{- with .volumes }}
 {{ toYaml . }}
 {{- end }}
