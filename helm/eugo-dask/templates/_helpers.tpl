@@ -55,7 +55,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $names := list }}
 {{- range $i, $group := .Values.workerGroups }}
 {{- $merged := deepCopy $.Values.workerDefaults }}
-{{- range $key, $value := $group }}
+{{- range $key, $value := deepCopy $group }}
 {{- $_ := set $merged $key $value }}
 {{- end }}
 {{- if has $group.name $names }}
