@@ -1,55 +1,180 @@
-"""Store a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job).
+"""Keep a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job).
 
-    python -m eugo_dask.k8s PROFILE.yaml CONFIGMAP [NAMESPACE]
+    python -m eugo_dask.k8s calibrate CONFIGMAP [--key calibrated.yaml] [--inputs ID]
+                                      [--quick] [--gpu-preset NAME] [--threads N]
+    python -m eugo_dask.k8s store PROFILE.yaml CONFIGMAP [--key calibrated.yaml]
+
+``calibrate`` measures this machine (``eugo_dask.calibrate``) and stores the profile under
+``--key``, with ``--inputs`` (the chart passes its Job's name, a checksum of the Job's pod) under
+``<key stem>.inputs``; when the ConfigMap already holds a profile for the same inputs it measures
+nothing. ``store`` writes a profile file measured elsewhere. The chart never renders these keys,
+so neither ``helm upgrade`` nor a GitOps sync overwrites them.
 
 Uses the pod's service-account token and the in-cluster API address, with the standard library
-only (no Kubernetes client in the image): one merge-patch of ``data["profile.yaml"]``.
+only (no Kubernetes client in the image). What to measure and where is the chart's business.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import ssl
 import sys
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+DEFAULT_KEY = "calibrated.yaml"
+
+
+class ApiError(RuntimeError):
+    """The API server refused a request; the message carries its own explanation."""
+
+    def __init__(self, method: str, url: str, status: int, message: str):
+        super().__init__(f"{method} {url}: HTTP {status}: {message}")
+        self.status = status
+
+
+def api_server_url(host: str, port: str | int = 443) -> str:
+    """The API server's URL from ``KUBERNETES_SERVICE_HOST``/``_PORT`` (IPv6 hosts bracketed)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"https://{host}:{port}"
+
+
+def inputs_key(key: str) -> str:
+    """The ConfigMap key that records what the profile under ``key`` was measured for."""
+    return f"{Path(key).stem}.inputs"
+
+
+@dataclass(frozen=True)
+class ConfigMapClient:
+    """GET and merge-PATCH one ConfigMap."""
+
+    configmap: str
+    namespace: str
+    api_url: str
+    token: str
+    ca_file: str | None = None
+
+    @classmethod
+    def in_cluster(cls, configmap: str, namespace: str | None = None, *,
+                   api_url: str | None = None, token: str | None = None,
+                   ca_file: str | None = None) -> ConfigMapClient:
+        """From the pod's service account and environment; keyword arguments override them."""
+        if namespace is None:
+            namespace = (SERVICE_ACCOUNT / "namespace").read_text().strip()
+        if api_url is None:
+            api_url = api_server_url(os.environ["KUBERNETES_SERVICE_HOST"],
+                                     os.environ.get("KUBERNETES_SERVICE_PORT", "443"))
+        if token is None:
+            token = (SERVICE_ACCOUNT / "token").read_text().strip()
+        if ca_file is None and api_url.startswith("https"):
+            ca_file = str(SERVICE_ACCOUNT / "ca.crt")
+        return cls(configmap, namespace, api_url, token, ca_file)
+
+    @property
+    def url(self) -> str:
+        return f"{self.api_url}/api/v1/namespaces/{self.namespace}/configmaps/{self.configmap}"
+
+    def _request(self, method: str, body: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/merge-patch+json"
+        request = urllib.request.Request(self.url, data=data, method=method, headers=headers)
+        context = ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+        try:
+            with urllib.request.urlopen(request, context=context, timeout=30) as response:
+                text = response.read().decode() or "{}"
+                return response.status, json.loads(text)
+        except urllib.error.HTTPError as e:
+            raise ApiError(method, self.url, e.code, _status_message(e)) from None
+
+    def data(self) -> dict[str, str]:
+        """The ConfigMap's ``data``."""
+        return self._request("GET")[1].get("data") or {}
+
+    def patch_data(self, data: dict[str, str]) -> int:
+        """Merge ``data`` into the ConfigMap's; returns the HTTP status."""
+        return self._request("PATCH", {"data": data})[0]
+
+
+def _status_message(error: urllib.error.HTTPError) -> str:
+    """The API server's ``Status.message`` (or its raw reply) for a failed request."""
+    text = error.read().decode(errors="replace").strip()
+    try:
+        return json.loads(text)["message"]
+    except (ValueError, KeyError, TypeError):
+        return text or str(error.reason)
 
 
 def store_profile(profile_path: str | os.PathLike, configmap: str, namespace: str | None = None, *,
-                  api_url: str | None = None, token: str | None = None,
-                  ca_file: str | None = None) -> int:
-    """PATCH ``profile.yaml`` of ``configmap``; returns the HTTP status."""
-    if namespace is None:
-        namespace = (SERVICE_ACCOUNT / "namespace").read_text().strip()
-    if api_url is None:
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        api_url = f"https://{host}:{port}"
-    if token is None:
-        token = (SERVICE_ACCOUNT / "token").read_text().strip()
-    if ca_file is None and api_url.startswith("https"):
-        ca_file = str(SERVICE_ACCOUNT / "ca.crt")
-    body = json.dumps({"data": {"profile.yaml": Path(profile_path).read_text()}}).encode()
-    request = urllib.request.Request(
-        f"{api_url}/api/v1/namespaces/{namespace}/configmaps/{configmap}", data=body,
-        method="PATCH", headers={"Authorization": f"Bearer {token}",
-                                 "Content-Type": "application/merge-patch+json"})
-    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
-    with urllib.request.urlopen(request, context=context, timeout=30) as response:
-        return response.status
+                  key: str = DEFAULT_KEY, inputs: str | None = None, **client: Any) -> int:
+    """Write the profile file under ``key`` of ``configmap`` (and ``inputs`` under
+    :func:`inputs_key`); returns the HTTP status. ``client``: :meth:`ConfigMapClient.in_cluster`
+    overrides (``api_url``, ``token``, ``ca_file``)."""
+    data = {key: Path(profile_path).read_text()}
+    if inputs is not None:
+        data[inputs_key(key)] = inputs
+    return ConfigMapClient.in_cluster(configmap, namespace, **client).patch_data(data)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) not in (2, 3):
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    status = store_profile(*argv)
-    print(f"stored {argv[0]} in ConfigMap {argv[1]} (HTTP {status})")
+def calibrate_into(configmap: str, namespace: str | None = None, *, key: str = DEFAULT_KEY,
+                   inputs: str | None = None, quick: bool = False, gpu_preset: str = "h200",
+                   threads: int | None = None, **client: Any) -> str:
+    """Measure this machine and store the profile, unless ``configmap`` already holds one
+    measured for ``inputs``. Returns what happened, for the log."""
+    import yaml
+
+    from eugo_dask.calibrate import calibrate
+
+    api = ConfigMapClient.in_cluster(configmap, namespace, **client)
+    stored = api.data()
+    if inputs is not None and key in stored and stored.get(inputs_key(key)) == inputs:
+        return f"ConfigMap {configmap} already holds {key} measured for {inputs}: nothing to do"
+    profile = calibrate(quick=quick, gpu_preset=gpu_preset, threads=threads,
+                        progress=lambda message: print(f"  {message}", file=sys.stderr))
+    data = {key: yaml.safe_dump(profile, sort_keys=False)}
+    if inputs is not None:
+        data[inputs_key(key)] = inputs
+    status = api.patch_data(data)
+    return f"stored profile {profile['name']!r} as {key} in ConfigMap {configmap} (HTTP {status})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eugo_dask.k8s", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("calibrate", help="measure this machine and store the profile")
+    store = commands.add_parser("store", help="store a profile file")
+    store.add_argument("profile", type=Path)
+    for sub in (run, store):
+        sub.add_argument("configmap")
+        sub.add_argument("--namespace", default=None, help="default: the pod's own")
+        sub.add_argument("--key", default=DEFAULT_KEY, help="the ConfigMap key for the profile")
+        sub.add_argument("--inputs", default=None, help="what the profile is measured for")
+    run.add_argument("--quick", action="store_true")
+    run.add_argument("--gpu-preset", default="h200")
+    run.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "store":
+            status = store_profile(args.profile, args.configmap, args.namespace, key=args.key,
+                                   inputs=args.inputs)
+            print(f"stored {args.profile} as {args.key} in ConfigMap {args.configmap} (HTTP {status})")
+        else:
+            print(calibrate_into(args.configmap, args.namespace, key=args.key, inputs=args.inputs,
+                                 quick=args.quick, gpu_preset=args.gpu_preset, threads=args.threads))
+    except ApiError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

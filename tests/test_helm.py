@@ -1,64 +1,119 @@
-"""The Helm chart, offline: lint, schema, Kubernetes validation, semantic checks, and the
-rendered container commands run as real local processes against each other."""
+"""The Helm chart, offline: lint, schema, Kubernetes validation, kustomize, semantic checks,
+upgrades, and the rendered container commands run as real local processes against each other."""
 
 from __future__ import annotations
 
-import http.server
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 
 import helm_python
 import kubernetes_validate
 import pytest
 import yaml
-from helm_python import Chart, HelmValuesError
-
-from eugo_dask.k8s import store_profile
+from helm_python import Chart, HelmRenderError, HelmValuesError
 
 from .cluster import DASK_CLI, free_port
+from .fake_k8s import FakeApiServer, make_certificate
 
 CHART = Path(__file__).resolve().parents[1] / "helm" / "eugo-dask"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
-VALUE_SETS = [("default", {})] + [(p.stem, yaml.safe_load(p.read_text())) for p in CI_VALUES]
+VALUE_SETS = {"default": {}} | {p.stem: yaml.safe_load(p.read_text()) for p in CI_VALUES}
+NAMES = list(VALUE_SETS)
 KUBE_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
 MONITORING_CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+KUBECTL = str(Path(sys.executable).with_name("kubectl"))
+PRESETS = {"h200", "h100-sxm", "h100-pcie", "a100", "l4", "t4"}
 
 
-def render(values: dict, name: str = "demo") -> list[dict]:
-    manifests = Chart.load(CHART).render(values, name=name, namespace="dask")
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that rejects a mapping with the same key twice (PyYAML keeps the last silently;
+    kustomize, Flux and Argo CD refuse the manifest)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        duplicates = {k for k in keys if keys.count(k) > 1}
+        if duplicates:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {duplicates}",
+                                                    node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def render_text(values: dict, **options) -> dict[str, str]:
+    options = {"name": "demo", "namespace": "dask"} | options
+    return Chart.load(CHART).render(values, **options)
+
+
+def render(values: dict, **options) -> list[dict]:
     docs = []
-    for path, text in manifests.items():
-        if path.endswith("NOTES.txt"):
-            continue
-        docs += [d for d in yaml.safe_load_all(text) if d]
+    for path, text in render_text(values, **options).items():
+        if not path.endswith("NOTES.txt"):
+            docs += [d for d in yaml.load_all(text, Loader=UniqueKeyLoader) if d]
     return docs
 
 
-def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+@cache
+def rendered(name: str) -> tuple[dict, ...]:
+    """The manifests of one of VALUE_SETS (do not modify them)."""
+    return tuple(render(VALUE_SETS[name]))
+
+
+def by_kind(docs, kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
+def pod_specs(docs) -> dict[str, dict]:
+    """Every pod template and pod, by the name of its object."""
+    pods = {}
+    for d in docs:
+        if d["kind"] in ("Deployment", "Job"):
+            pods[d["metadata"]["name"]] = d["spec"]["template"]["spec"]
+        elif d["kind"] == "Pod":
+            pods[d["metadata"]["name"]] = d["spec"]
+    return pods
+
+
+def gpus(pod: dict) -> int:
+    return sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
+
+
+def env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def args_after(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def calibration_job(docs) -> dict:
+    (job,) = by_kind(docs, "Job").values()
+    return job
+
+
+# --- lint, schema, validation, kustomize ------------------------------------------------------
 def test_ci_values_files_cover_the_options():
-    assert {p.stem for p in CI_VALUES} >= {"gpu-off", "cuda-worker", "calibration", "ingress",
-                                           "pdb-monitoring"}
+    assert set(NAMES) >= {"default", "gpu-off", "cuda-worker", "calibration", "ingress",
+                          "pdb-monitoring", "two-gpu-types", "everything", "tls"}
 
 
-@pytest.mark.parametrize("name, values", VALUE_SETS, ids=[n for n, _ in VALUE_SETS])
-def test_lint_strict_reports_nothing(name, values):
-    report = helm_python.lint(str(CHART), values, strict=True)
+@pytest.mark.parametrize("name", NAMES)
+def test_lint_strict_reports_nothing(name):
+    report = helm_python.lint(str(CHART), VALUE_SETS[name], strict=True)
     assert report["errors"] == [] and report["messages"] == [], report
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
-@pytest.mark.parametrize("name, values", VALUE_SETS, ids=[n for n, _ in VALUE_SETS])
-def test_manifests_validate_strictly(name, values, version):
-    docs = render(values)
+@pytest.mark.parametrize("name", NAMES)
+def test_manifests_validate_strictly(name, version):
+    docs = rendered(name)
     assert docs
     for doc in docs:
         if (doc["apiVersion"], doc["kind"]) in MONITORING_CRDS:
@@ -67,87 +122,50 @@ def test_manifests_validate_strictly(name, values, version):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_semantics_the_schemas_miss():
-    docs = render(yaml.safe_load((CHART / "ci" / "pdb-monitoring.yaml").read_text()))
-    deployments = by_kind(docs, "Deployment")
-    selectors = {}
-    for name, d in deployments.items():
-        spec = d["spec"]
-        labels = spec["template"]["metadata"]["labels"]
-        for k, v in spec["selector"]["matchLabels"].items():
-            assert labels[k] == v, (name, k)  # selectors match their pods
-        selectors[name] = json.dumps(spec["selector"]["matchLabels"], sort_keys=True)
-        pod = spec["template"]["spec"]
-        assert pod["automountServiceAccountToken"] is False
-        assert pod["securityContext"]["runAsNonRoot"] is True
-        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
-        (container,) = pod["containers"]
-        sc = container["securityContext"]
-        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
-        assert sc["capabilities"]["drop"] == ["ALL"]
-        assert {"mountPath": "/tmp", "name": "scratch"} in container["volumeMounts"]
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert container[probe]["httpGet"]["path"] == "/health"
-        assert "CUDA_VISIBLE_DEVICES" not in json.dumps(container)
-    assert len(set(selectors.values())) == len(selectors) == 3  # distinct groups
-    scheduler = deployments["demo-eugo-dask-scheduler"]
-    assert scheduler["spec"]["strategy"]["type"] == "Recreate"
-    assert scheduler["spec"]["replicas"] == 1
-    command = scheduler["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:2] == ["dask", "scheduler"] and "--preload" in command
-    assert command[command.index("--preload") + 1] == "eugo_dask.plugin"
-    gpu = deployments["demo-eugo-dask-gpu-worker"]["spec"]["template"]["spec"]
-    (gpu_container,) = gpu["containers"]
-    assert gpu_container["resources"]["limits"]["nvidia.com/gpu"] == 1  # = gpusPerWorker
-    assert "--resources" in gpu_container["command"]
-    assert gpu_container["command"][gpu_container["command"].index("--resources") + 1] == "GPU=1"
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in gpu["tolerations"]
-    cpu_container = deployments["demo-eugo-dask-cpu-worker"]["spec"]["template"]["spec"]["containers"][0]
-    assert "--resources" not in cpu_container["command"]
-    assert "nvidia.com/gpu" not in json.dumps(cpu_container["resources"])
-    assert {"name": "DASK_EUGO__DEVICE", "value": "none"} in cpu_container["env"]
-    service = by_kind(docs, "Service")["demo-eugo-dask-scheduler"]
-    assert service["spec"]["type"] == "ClusterIP"
-    assert {p["port"] for p in service["spec"]["ports"]} == {8786, 8787}
-    assert set(by_kind(docs, "PodDisruptionBudget")) == {"demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker"}
-    assert not by_kind(docs, "HorizontalPodAutoscaler")
+def kustomize(tmp_path: Path, manifests: str) -> subprocess.CompletedProcess:
+    (tmp_path / "chart.yaml").write_text(manifests)
+    (tmp_path / "kustomization.yaml").write_text("resources: [chart.yaml]\n")
+    return subprocess.run([KUBECTL, "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=60)
 
 
-def test_cuda_worker_mode():
-    docs = render(yaml.safe_load((CHART / "ci" / "cuda-worker.yaml").read_text()))
-    pod = by_kind(docs, "Deployment")["demo-eugo-dask-gpu-worker"]["spec"]["template"]["spec"]
-    command = pod["containers"][0]["command"]
-    assert command[:3] == ["dask", "cuda", "worker"]
-    assert command[command.index("--rmm-pool-size") + 1] == "24GB"
-    assert command[command.index("--device-memory-limit") + 1] == "0.8"
-    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
-    assert pod["runtimeClassName"] == "nvidia"
+@pytest.mark.parametrize("name", NAMES)
+def test_kubectl_kustomize_takes_the_rendered_chart(name, tmp_path):
+    """What post-renderers, Flux and Argo CD do with the chart's output."""
+    texts = render_text(VALUE_SETS[name])
+    result = kustomize(tmp_path, "\n---\n".join(t for p, t in texts.items() if not p.endswith("NOTES.txt")))
+    assert result.returncode == 0, result.stderr
+    out = [d for d in yaml.safe_load_all(result.stdout) if d]
+    assert len(out) == len(rendered(name))
 
 
-def test_calibration_job_can_write_only_its_configmap():
-    docs = render(yaml.safe_load((CHART / "ci" / "calibration.yaml").read_text()))
-    (job,) = by_kind(docs, "Job").values()
-    pod = job["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is True  # the one pod that needs the API
-    assert "eugo-dask calibrate --quick --gpu-preset h100-sxm" in pod["containers"][0]["command"][2]
-    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    (role,) = by_kind(docs, "Role").values()
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
-                              "resourceNames": ["demo-eugo-dask-eugo-profile"],
-                              "verbs": ["get", "patch"]}]
-    assert "demo-eugo-dask-eugo-profile" in by_kind(docs, "ConfigMap")
+def test_kustomize_rejects_duplicate_label_keys(tmp_path):
+    """The check above has teeth: the label keys the chart once wrote twice."""
+    manifest = ("apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: x\n  labels:\n"
+                "    app.kubernetes.io/name: a\n    app.kubernetes.io/name: a\n")
+    result = kustomize(tmp_path, manifest)
+    assert result.returncode != 0 and "already" in result.stderr.lower() + result.stdout.lower()
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate keys"):
+        yaml.load(manifest, Loader=UniqueKeyLoader)
 
 
 @pytest.mark.parametrize(
     "values, match",
     [
-        ({"gpuWorkers": {"mode": "gpu"}}, r"mode"),
-        ({"eugo": {"device": "tpu"}}, r"device"),
-        ({"gpuWorkers": {"gpusPerWorker": 0}}, r"gpusPerWorker"),
-        ({"gpuWorkers": {"gpusPerWorker": 2}}, r"gpusPerWorker"),  # worker mode: one GPU per pod
-        ({"cpuWorkers": {"replica": 3}}, r"replica"),
-        ({"eugo": {"minSpeedup": -1}}, r"minSpeedup"),
-        ({"calibration": {"gpuPreset": "h300"}}, r"gpuPreset"),
+        ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200", "mode": "gpu"}}]}, r"workerGroups/0/gpu/mode"),
+        ({"eugo": {"device": "tpu"}}, r"eugo/device"),
+        ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200", "count": 0}}]}, r"workerGroups/0/gpu/count"),
+        # worker mode: one GPU per pod
+        ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200", "count": 2}}]}, r"workerGroups/0/gpu/count"),
+        ({"workerGroups": [{"name": "gpu", "gpu": {"count": 1}}]}, r"workerGroups/0/gpu.*type"),
+        ({"workerGroups": [{"name": "cpu", "replica": 3}]}, r"replica"),
+        ({"workerGroups": [{"replicas": 3}]}, r"workerGroups/0.*name"),
+        ({"workerGroups": [{"name": "GPU_big"}]}, r"workerGroups/0/name"),
+        ({"workerGroups": []}, r"workerGroups"),
+        ({"workerDefaults": {"livenessProbe": {"httpget": {}}}}, r"workerDefaults/livenessProbe.*httpget"),
+        ({"eugo": {"minSpeedup": -1}}, r"eugo/minSpeedup"),
+        ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h300"}}]}, r"workerGroups/0/gpu/type"),
+        ({"networkPolicy": {"clients": [{}]}}, r"networkPolicy/clients/0"),
+        ({"imagePullSecrets": ["regcred"]}, r"imagePullSecrets/0"),
     ],
 )
 def test_bad_values_rejected_with_a_clear_message(values, match):
@@ -155,105 +173,424 @@ def test_bad_values_rejected_with_a_clear_message(values, match):
         Chart.load(CHART).validate_schema(values)
 
 
-def test_calibration_store_patches_the_configmap(tmp_path):
-    received = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PATCH(self):
-            received["path"] = self.path
-            received["auth"] = self.headers["Authorization"]
-            received["type"] = self.headers["Content-Type"]
-            received["body"] = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.handle_request, daemon=True).start()
-    profile = tmp_path / "profile.yaml"
-    profile.write_text("base: h200\n")
-    status = store_profile(profile, "demo-eugo-dask-eugo-profile", "dask",
-                           api_url=f"http://127.0.0.1:{server.server_port}", token="t0ken")
-    server.server_close()
-    assert status == 200
-    assert received == {"path": "/api/v1/namespaces/dask/configmaps/demo-eugo-dask-eugo-profile",
-                        "auth": "Bearer t0ken", "type": "application/merge-patch+json",
-                        "body": {"data": {"profile.yaml": "base: h200\n"}}}
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        ({"workerGroups": [{"name": "a"}, {"name": "a"}]},
+         r'workerGroups\[1\].name: "a" is used by an earlier group'),
+        ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200", "count": 4, "mode": "cuda-worker"}}]},
+         r"workerGroups\[0\] \(gpu\).memoryLimit: dask cuda worker applies it to each of its 4 GPU "
+         r"processes, so it must be auto.*got \"4GiB\""),
+        ({"workerGroups": [{"name": "cpu"}], "calibration": {"enabled": True}},
+         r"calibration.enabled: the calibration Job measures the first GPU group, and workerGroups has none"),
+    ],
+)
+def test_values_the_schema_cannot_judge_fail_the_render(values, match):
+    with pytest.raises(HelmRenderError, match=match):
+        render(values)
 
 
-def _container(docs: list[dict], deployment: str) -> dict:
-    return by_kind(docs, "Deployment")[deployment]["spec"]["template"]["spec"]["containers"][0]
+# --- pods -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", NAMES)
+def test_pods_run_under_tini_with_their_own_labels_and_pull_secrets(name):
+    docs = rendered(name)
+    secrets = VALUE_SETS[name].get("imagePullSecrets")
+    for pod_name, pod in pod_specs(docs).items():
+        for c in pod["containers"]:
+            # `command` would replace the image's ENTRYPOINT (tini) and make Python PID 1
+            assert "command" not in c and c["args"], (pod_name, c["name"])
+        assert pod.get("imagePullSecrets") == secrets, pod_name
+        assert pod["automountServiceAccountToken"] is (pod_name.startswith("demo-eugo-dask-calibrate")), pod_name
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        sc = container["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert {"mountPath": "/tmp", "name": "scratch"} in container["volumeMounts"]
+        (scratch,) = [v for v in pod["volumes"] if v["name"] == "scratch"]
+        assert scratch["emptyDir"]["sizeLimit"], pod_name
+        for port in container.get("ports", []):
+            assert port["name"].startswith(("tcp-", "http-")), (pod_name, port)  # Istio
+        assert "CUDA_VISIBLE_DEVICES" not in json.dumps(container)
+    for d in docs:
+        if d["kind"] in ("Deployment", "Job"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            for k, v in d["spec"].get("selector", {}).get("matchLabels", {}).items():
+                assert labels[k] == v, (d["metadata"]["name"], k)  # selectors match their pods
+            assert "helm.sh/chart" not in labels  # a chart upgrade alone restarts no pod
 
 
-def _local(command: list[str], env: list[dict], rewrites: dict[str, str], pod_name: str,
+@pytest.mark.parametrize("name", NAMES)
+def test_pods_without_gpus_see_none_and_stay_off_gpu_nodes(name):
+    pods = pod_specs(rendered(name))
+    assert any(gpus(p) == 0 for p in pods.values())
+    for pod_name, pod in pods.items():
+        (container,) = pod["containers"]
+        affinity = pod.get("affinity", {}).get("nodeAffinity")
+        if gpus(pod):
+            assert "NVIDIA_VISIBLE_DEVICES" not in env(container)  # the device plugin sets it
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+            assert "nvidia.com/gpu.present" not in json.dumps(affinity or {})
+        else:
+            # the CUDA base image sets NVIDIA_VISIBLE_DEVICES=all
+            assert env(container)["NVIDIA_VISIBLE_DEVICES"] == "void", pod_name
+            terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            keys = {e["key"] for t in terms for e in t["matchExpressions"]}
+            assert keys == {"nvidia.com/gpu.present", "cloud.google.com/gke-accelerator",
+                            "k8s.amazonaws.com/accelerator"}, pod_name
+            assert "tolerations" not in pod or all(t.get("key") != "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_a_group_affinity_with_node_affinity_replaces_the_non_gpu_one():
+    own = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["cpu"]}]}]}}
+    docs = render({"workerGroups": [{"name": "cpu", "affinity": {"nodeAffinity": own}}],
+                   "nonGpuNodeAffinity": None})
+    pods = pod_specs(docs)
+    assert pods["demo-eugo-dask-cpu-worker"]["affinity"] == {"nodeAffinity": own}
+    assert "affinity" not in pods["demo-eugo-dask-scheduler"]  # nonGpuNodeAffinity off
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_groups_roll_without_a_spare_gpu(name):
+    for d in by_kind(rendered(name), "Deployment").values():
+        pod = d["spec"]["template"]["spec"]
+        strategy = d["spec"].get("strategy")
+        if d["metadata"]["name"].endswith("-scheduler"):
+            assert strategy == {"type": "Recreate"}
+        elif gpus(pod):
+            assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_default_chart():
+    docs = rendered("default")
+    deployments = by_kind(docs, "Deployment")
+    assert set(deployments) == {"demo-eugo-dask-scheduler", "demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker"}
+    scheduler = deployments["demo-eugo-dask-scheduler"]
+    assert scheduler["spec"]["replicas"] == 1
+    template = scheduler["spec"]["template"]
+    assert template["metadata"]["annotations"]["cluster-autoscaler.kubernetes.io/safe-to-evict"] == "false"
+    (container,) = template["spec"]["containers"]
+    assert container["args"][:2] == ["dask", "scheduler"]
+    assert args_after(container["args"], "--preload") == "eugo_dask.plugin"
+    assert {"name": "profile", "mountPath": "/etc/eugo", "readOnly": True} in container["volumeMounts"]
+    assert container["livenessProbe"]["timeoutSeconds"] >= 10
+    assert env(container)["DASK_EUGO__CLUSTER_PROFILE"] == '["h200"]'
+    assert "DASK_EUGO__PROFILE" not in json.dumps(docs)  # clients keep auto: the cluster decides
+    gpu = deployments["demo-eugo-dask-gpu-worker"]["spec"]["template"]["spec"]
+    (gpu_container,) = gpu["containers"]
+    assert gpu_container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert args_after(gpu_container["args"], "--resources") == "GPU=1"
+    assert env(gpu_container)["DASK_EUGO__DEVICE"] == "auto"
+    cpu = deployments["demo-eugo-dask-cpu-worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert "--resources" not in cpu["args"] and "nvidia.com/gpu" not in json.dumps(cpu["resources"])
+    assert env(cpu)["DASK_EUGO__DEVICE"] == "none"
+    for worker in (gpu_container, cpu):
+        # a busy worker must not be killed: no liveness probe unless asked for
+        assert "livenessProbe" not in worker and worker["readinessProbe"]["httpGet"]["path"] == "/health"
+    service = by_kind(docs, "Service")["demo-eugo-dask-scheduler"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert {(p["name"], p["port"]) for p in service["spec"]["ports"]} == {("tcp-comm", 8786), ("http-dashboard", 8787)}
+    assert not by_kind(docs, "HorizontalPodAutoscaler") and not by_kind(docs, "Job")
+    (test_pod,) = by_kind(docs, "Pod").values()
+    test_env = env(test_pod["spec"]["containers"][0])
+    assert test_env["EUGO_TEST_WORKERS"] == "3" and test_env["EUGO_TEST_PROFILE"] == "h200"
+
+
+def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
+    docs = rendered("everything")
+    policies = by_kind(docs, "NetworkPolicy")
+    release = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "demo"}}}
+    notebooks = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "notebooks"}}}
+    ingress_nginx = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
+    scheduler = policies["demo-eugo-dask-scheduler"]["spec"]
+    assert scheduler["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "scheduler"
+    comm, dashboard = scheduler["ingress"]
+    assert comm == {"from": [release, notebooks], "ports": [{"port": "tcp-comm", "protocol": "TCP"}]}
+    assert dashboard == {"from": [release, ingress_nginx], "ports": [{"port": "http-dashboard", "protocol": "TCP"}]}
+    workers = policies["demo-eugo-dask-workers"]["spec"]
+    assert {"key": "app.kubernetes.io/component", "operator": "In",
+            "values": ["cpu-worker", "gpu-worker"]} in workers["podSelector"]["matchExpressions"]
+    assert workers["ingress"][0] == {"from": [release, notebooks]}
+    # every pod of the release carries the label the policy admits
+    for pod_name, pod in pod_specs(docs).items():
+        (d,) = [d for d in docs if d["metadata"]["name"] == pod_name and d["kind"] in ("Deployment", "Job", "Pod")]
+        labels = d["metadata"]["labels"] if d["kind"] == "Pod" else d["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "demo"
+    # by default: release only on 8786, dashboards open (Ingress controller, Prometheus)
+    default = by_kind(rendered("default"), "NetworkPolicy")["demo-eugo-dask-scheduler"]["spec"]["ingress"]
+    assert default == [{"from": [release], "ports": [{"port": "tcp-comm", "protocol": "TCP"}]},
+                       {"ports": [{"port": "http-dashboard", "protocol": "TCP"}]}]
+    assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def test_ingress_serves_the_dashboard_only():
+    (ingress,) = by_kind(rendered("ingress"), "Ingress").values()
+    backends = [p["backend"]["service"]["port"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]]
+    assert backends == [{"name": "http-dashboard"}]
+
+
+def test_everything_reaches_the_pods():
+    docs = rendered("everything")
+    pods = pod_specs(docs)
+    scheduler = pods["demo-eugo-dask-scheduler"]
+    (container,) = scheduler["containers"]
+    assert container["image"] == "registry.example.com/eugo-dask:0.1.0"
+    assert container["args"][-2:] == ["--idle-timeout", "2h"]
+    assert json.loads(env(container)["DASK_EUGO__CLUSTER_PROFILE"]) == ["/etc/eugo-site/profile.yaml", "l4"]
+    assert {"name": "site-profile", "mountPath": "/etc/eugo-site", "readOnly": True} in container["volumeMounts"]
+    assert "livenessProbe" not in container  # null turns it off
+    assert scheduler["serviceAccountName"] == "dask-scheduler" and scheduler["priorityClassName"] == "dask-high"
+    service = by_kind(docs, "Service")["demo-eugo-dask-scheduler"]
+    assert service["metadata"]["annotations"] == {"networking.gke.io/load-balancer-type": "Internal"}
+    assert service["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8"]
+    cpu, gpu = pods["demo-eugo-dask-cpu-worker"], pods["demo-eugo-dask-gpu-worker"]
+    for pod in (cpu, gpu):
+        (c,) = pod["containers"]
+        assert pod["serviceAccountName"] == "dask-worker"
+        assert env(c)["AWS_REGION"] == "eu-west-1"
+        assert [e["name"] for e in c["env"]].count("DASK_TEMPORARY_DIRECTORY") == 1
+        assert env(c)["DASK_TEMPORARY_DIRECTORY"] == "/scratch"  # the group's env wins
+        assert c["livenessProbe"]["timeoutSeconds"] == 30
+        assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert cpu["containers"][0]["args"][-4:] == ["--lifetime", "8h", "--lifetime-stagger", "10m"]
+    assert gpu["containers"][0]["image"] == "registry.example.com/eugo-dask:0.1.0-cuda"
+    assert gpu["containers"][0]["imagePullPolicy"] == "Always"
+    assert gpu["priorityClassName"] == "dask-gpu" and "priorityClassName" not in cpu
+    deployments = by_kind(docs, "Deployment")
+    assert deployments["demo-eugo-dask-cpu-worker"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 2, "maxUnavailable": 0}
+    labels = deployments["demo-eugo-dask-gpu-worker"]["spec"]["template"]["metadata"]
+    assert labels["labels"]["team"] == "analytics" and labels["annotations"] == {"example.com/team": "analytics"}
+    job = calibration_job(docs)["spec"]["template"]["spec"]
+    assert job["priorityClassName"] == "dask-low" and not by_kind(docs, "PriorityClass")
+    assert job["containers"][0]["image"] == "registry.example.com/eugo-dask:0.1.0-cuda"
+    assert set(by_kind(docs, "PodDisruptionBudget")) == {"demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker"}
+
+
+def test_tls_reaches_every_dask_process():
+    docs = rendered("tls")
+    pods = pod_specs(docs)
+    for name in ("demo-eugo-dask-scheduler", "demo-eugo-dask-cpu-worker", "demo-eugo-dask-gpu-worker", "demo-eugo-dask-test"):
+        (c,) = pods[name]["containers"]
+        assert env(c)["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True", name
+        assert env(c)["DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"] == "/etc/dask/tls/tls.crt", name
+        assert {"name": "dask-tls", "mountPath": "/etc/dask/tls", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "dask-tls", "secret": {"secretName": "dask-tls"}} in pods[name]["volumes"]
+    assert args_after(pods["demo-eugo-dask-scheduler"]["containers"][0]["args"], "--protocol") == "tls"
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["args"][2] == "tls://demo-eugo-dask-scheduler:8786"
+    assert "tls://demo-eugo-dask-scheduler:8786" in render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    with pytest.raises(HelmRenderError, match=r"tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key"):
+        render({"tls": {"enabled": True}})
+
+
+def test_cuda_worker_mode():
+    pod = pod_specs(rendered("cuda-worker"))["demo-eugo-dask-gpu-worker"]
+    args = pod["containers"][0]["args"]
+    assert args[:3] == ["dask", "cuda", "worker"]
+    assert args_after(args, "--rmm-pool-size") == "24GB"
+    assert args_after(args, "--set-rmm-allocator-for-libs") == "cupy"  # CuPy uses the RMM pool
+    assert args_after(args, "--device-memory-limit") == "0.8"
+    assert args_after(args, "--memory-limit") == "auto"  # split among the 4 GPU processes
+    assert args_after(args, "--resources") == "GPU=1"  # per GPU process
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert pod["containers"][0]["image"].endswith(":0.1.0-cuda")
+    assert pod["runtimeClassName"] == "nvidia"
+
+
+def test_two_gpu_types_are_two_groups_priced_by_the_first():
+    docs = rendered("two-gpu-types")
+    pods = pod_specs(docs)
+    assert {n: gpus(p) for n, p in pods.items() if "worker" in n} == {
+        "demo-eugo-dask-cpu-worker": 0, "demo-eugo-dask-l4-worker": 1, "demo-eugo-dask-t4-worker": 1}
+    assert args_after(pods["demo-eugo-dask-l4-worker"]["containers"][0]["args"], "--resources") == "GPU=2"
+    assert pods["demo-eugo-dask-t4-worker"]["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-tesla-t4"}
+    assert env(pods["demo-eugo-dask-scheduler"]["containers"][0])["DASK_EUGO__CLUSTER_PROFILE"] == '["l4"]'
+    test_env = env(pods["demo-eugo-dask-test"]["containers"][0])
+    assert test_env["EUGO_TEST_WORKERS"] == "9" and test_env["EUGO_TEST_GPU"] == "true"
+
+
+def test_without_gpu_groups_there_is_no_gpu_anywhere():
+    docs = rendered("gpu-off")
+    assert not any(gpus(p) for p in pod_specs(docs).values())
+    assert "nvidia.com/gpu\"" not in json.dumps([d for d in docs if d["kind"] != "NetworkPolicy"])
+    scheduler = pod_specs(docs)["demo-eugo-dask-scheduler"]["containers"][0]
+    assert "DASK_EUGO__CLUSTER_PROFILE" not in env(scheduler)
+    assert env(pod_specs(docs)["demo-eugo-dask-test"]["containers"][0])["EUGO_TEST_GPU"] == "false"
+
+
+# --- calibration ------------------------------------------------------------------------------
+def test_calibration_job_measures_the_gpu_workers_machine():
+    docs = rendered("calibration")
+    job = calibration_job(docs)
+    spec = job["spec"]
+    assert spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
+    pod = spec["template"]["spec"]
+    worker = pod_specs(docs)["demo-eugo-dask-gpu-worker"]
+    (container,) = pod["containers"]
+    assert container["args"][:5] == ["python", "-m", "eugo_dask.k8s", "calibrate", "demo-eugo-dask-eugo-profile"]
+    assert args_after(container["args"], "--threads") == "4" == args_after(worker["containers"][0]["args"], "--nthreads")
+    assert args_after(container["args"], "--gpu-preset") == "h100-sxm"
+    assert args_after(container["args"], "--key") == "calibrated.yaml"
+    assert args_after(container["args"], "--inputs") == "$(JOB_NAME)"
+    assert container["env"][0] == {"name": "JOB_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['job-name']"}}}
+    # the workers' requests (not BestEffort), one GPU, the workers' placement
+    assert container["resources"] == worker["containers"][0]["resources"]
+    assert container["resources"]["requests"]["cpu"] == "4"
+    assert pod["runtimeClassName"] == worker["runtimeClassName"] == "nvidia"
+    assert pod["tolerations"] == worker["tolerations"]
+    assert pod["automountServiceAccountToken"] is True
+    # ordered behind the workers: a lower priority, never preempting; preemption is no failure
+    (priority,) = by_kind(docs, "PriorityClass").values()
+    assert pod["priorityClassName"] == priority["metadata"]["name"]
+    assert priority["value"] < 0 and priority["preemptionPolicy"] == "Never" and not priority["globalDefault"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in spec["podFailurePolicy"]["rules"]
+    (role,) = by_kind(docs, "Role").values()
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                              "resourceNames": ["demo-eugo-dask-eugo-profile"], "verbs": ["get", "patch"]}]
+    scheduler = pod_specs(docs)["demo-eugo-dask-scheduler"]["containers"][0]
+    assert json.loads(env(scheduler)["DASK_EUGO__CLUSTER_PROFILE"]) == ["/etc/eugo/calibrated.yaml", "h100-sxm"]
+
+
+def test_an_upgrade_keeps_the_job_and_the_calibrated_profile():
+    values = VALUE_SETS["calibration"]
+    install = render(values, revision=1, is_install=True)
+    job, configmap = calibration_job(install), by_kind(install, "ConfigMap")["demo-eugo-dask-eugo-profile"]
+    assert "data" not in configmap  # the Job's key is never rendered, so never overwritten
+    assert configmap["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert re.fullmatch(r"demo-eugo-dask-calibrate-[0-9a-f]{10}", job["metadata"]["name"])
+    upgrade = render(values, revision=2, is_upgrade=True)
+    assert calibration_job(upgrade) == job
+    assert by_kind(upgrade, "ConfigMap")["demo-eugo-dask-eugo-profile"] == configmap
+    # values the measurement does not depend on: same Job
+    unrelated = values | {"eugo": {"minSpeedup": 3.0}, "tests": {"enabled": False}}
+    unrelated["workerGroups"] = [{"name": "cpu", "replicas": 8}, values["workerGroups"][1] | {"replicas": 5}]
+    assert calibration_job(render(unrelated, revision=3, is_upgrade=True))["metadata"]["name"] == job["metadata"]["name"]
+    # what it measures changes: a new Job (a Job's pod template cannot be changed in place)
+    for change in ({"image": {"tag": "0.2.0"}}, {"nthreads": 8}, {"nodeSelector": {"pool": "l4"}},
+                   {"resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}):
+        changed = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | change]}
+        assert calibration_job(render(changed, revision=3, is_upgrade=True))["metadata"]["name"] != job["metadata"]["name"], change
+
+
+def _fake_service_account(root: Path, ca_file: str) -> Path:
+    account = root / "serviceaccount"
+    account.mkdir(parents=True)
+    (account / "token").write_text("job-token")
+    (account / "namespace").write_text("dask")
+    shutil.copy(ca_file, account / "ca.crt")
+    return account
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("openssl"),
+                    reason="needs root and unshare(1) to mount a service account, openssl for the API's certificate")
+@pytest.mark.timeout(120)
+def test_rendered_calibration_job_runs_against_an_ipv6_api_server(tmp_path):
+    """The Job's container as rendered, with the pod's service account mounted where Kubernetes
+    mounts it, against an HTTPS API server on [::1]: measures once, then finds its profile."""
+    docs = rendered("calibration")
+    job = calibration_job(docs)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    job_name = job["metadata"]["name"]
+    with FakeApiServer(host="::1", tls_dir=tmp_path / "tls") as api:
+        api.configmaps["demo-eugo-dask-eugo-profile"] = {}
+        account = _fake_service_account(tmp_path, api.ca_file)
+        variables = {"JOB_NAME": job_name, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                     "DASK_TEMPORARY_DIRECTORY": str(tmp_path / "dask")}
+        assert set(env(container)) == set(variables)
+        args = [re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], a) for a in container["args"]]
+        assert args[0] == "python"
+        local_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")} | variables | {
+            "KUBERNETES_SERVICE_HOST": "::1", "KUBERNETES_SERVICE_PORT": str(api.port),
+            "PYTHONPATH": str(CHART.parents[1])}
+        script = ('mount -t tmpfs tmpfs /run && mkdir -p /run/secrets/kubernetes.io '
+                  '&& cp -r "$1" /run/secrets/kubernetes.io/serviceaccount && shift && exec "$@"')
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "_",
+                   str(account), sys.executable, *args[1:]]
+        first = subprocess.run(command, env=local_env, capture_output=True, text=True, timeout=90)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "stored profile" in first.stdout
+        stored = api.configmaps["demo-eugo-dask-eugo-profile"]
+        assert stored["calibrated.inputs"] == job_name
+        profile = yaml.safe_load(stored["calibrated.yaml"])
+        assert profile["cpu"]["threads"] == 4 and profile["name"] == "h100-sxm-calibrated-cpu"
+        assert {r["auth"] for r in api.requests} == {"Bearer job-token"}
+        # recreated after its TTL, or a reinstall: nothing to measure
+        second = subprocess.run(command, env=local_env, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 0 and "nothing to do" in second.stdout, second.stdout + second.stderr
+        assert [r["method"] for r in api.requests] == ["GET", "PATCH", "GET"]
+
+
+# --- the rendered commands as local processes -------------------------------------------------
+def _local(args: list[str], env_list: list[dict], rewrites: dict[str, str], pod_name: str,
            scratch: Path) -> tuple[list[str], dict[str, str]]:
-    """A container's command and environment for a local process: addresses and ports
+    """A container's args and environment for a local process: addresses, ports and paths
     rewritten, $(VAR) expanded, the dask CLI of this environment."""
-    variables = {e["name"]: e.get("value", pod_name) for e in env}
+    variables = {e["name"]: e.get("value", pod_name) for e in env_list}
+    for name, value in variables.items():
+        value = str(scratch) + value[4:] if value.startswith("/tmp") else value
+        for old, new in rewrites.items():
+            value = value.replace(old, new)
+        variables[name] = value
     out = []
-    for arg in command:
+    for arg in args:
         for old, new in rewrites.items():
             arg = arg.replace(old, new)
         out.append(re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], arg))
     assert out[0] == "dask"
     out[0] = DASK_CLI
     local_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
-    root = str(Path(__file__).resolve().parents[1])
-    local_env["PYTHONPATH"] = root
-    for name, value in variables.items():
-        local_env[name] = str(scratch) + value[4:] if value.startswith("/tmp") else value
-    return out, local_env
+    local_env["PYTHONPATH"] = str(CHART.parents[1])
+    return out, local_env | variables
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-def test_rendered_commands_run_as_local_processes(tmp_path):
-    values = {"eugo": {"device": "emulated"}, "cpuWorkers": {"replicas": 1, "memoryLimit": "2GiB"},
-              "gpuWorkers": {"memoryLimit": "2GiB"}}
+def _plan_profiles(address: str) -> list[str]:
+    from distributed import Client
+
+    with Client(address, timeout=30) as client:
+        return [p["profile"] for p in client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary()["plans"])]
+
+
+@contextlib.contextmanager
+def launched(values: dict, tmp_path: Path, rewrites: dict[str, str]) -> Iterator[tuple[str, Callable]]:
+    """The rendered scheduler, GPU-worker and CPU-worker containers as local processes; yields
+    the scheduler's address and a function that runs the helm test pod's script (with extra
+    environment) and returns its output."""
     docs = render(values)
     port, dash = free_port(), free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    rewrites = {"tcp://demo-eugo-dask-scheduler:8786": address, ":8787": f":{dash}",
-                ":8788": ":0"}
+    scheme = "tls" if values.get("tls", {}).get("enabled") else "tcp"
+    address = f"{scheme}://127.0.0.1:{port}"
+    rewrites = {f"{scheme}://demo-eugo-dask-scheduler:8786": address, ":8787": f":{dash}", ":8788": ":0"} | rewrites
+    pods = pod_specs(docs)
     procs, logs = [], []
     try:
         for deployment, name in (("demo-eugo-dask-scheduler", "scheduler"),
                                  ("demo-eugo-dask-gpu-worker", "gpu-worker-0"),
                                  ("demo-eugo-dask-cpu-worker", "cpu-worker-0")):
-            c = _container(docs, deployment)
-            command, env = _local(c["command"], c["env"], rewrites, name, tmp_path)
+            (c,) = pods[deployment]["containers"]
+            args, local_env = _local(c["args"], c["env"], rewrites, name, tmp_path)
             if name == "scheduler":
-                command[command.index("--port") + 1] = str(port)
+                args[args.index("--port") + 1] = str(port)
             log = open(tmp_path / f"{name}.log", "w")
             logs.append(log)
-            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(args, env=local_env, stdout=log, stderr=subprocess.STDOUT))
             if name == "scheduler":
                 time.sleep(2)
-        (test_pod,) = [d for d in docs if d["kind"] == "Pod"]
-        c = test_pod["spec"]["containers"][0]
-        script = str(CHART / "files" / "helm-test.py")
-        command, env = _local(["dask"], c["env"], rewrites, "test", tmp_path)
-        env["DASK_SCHEDULER_ADDRESS"] = address
-        result = subprocess.run([sys.executable, script], env=env, capture_output=True,
-                                text=True, timeout=180)
-        logs_text = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
-        assert result.returncode == 0, result.stdout + result.stderr + logs_text
-        assert "connected to" in result.stdout and result.stdout.strip().endswith("ok")
-        on_gpu = int(re.search(r"eugo: (\d+) tasks ran on GPU workers", result.stdout).group(1))
-        assert on_gpu > 0
-        # the scheduler loaded the plugin and the GPU group's worker ran the device work
-        from distributed import Client
+        (c,) = pods["demo-eugo-dask-test"]["containers"]
+        _, test_env = _local(["dask"], c["env"], rewrites, "test", tmp_path)
 
-        import eugo_dask
+        def helm_test(**extra_env: str) -> str:
+            result = subprocess.run([sys.executable, str(CHART / "files" / "helm-test.py")],
+                                    env=test_env | {"DASK_SCHEDULER_ADDRESS": address} | extra_env,
+                                    capture_output=True, text=True, timeout=180)
+            logs_text = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
+            assert result.returncode == 0, result.stdout + result.stderr + logs_text
+            assert "connected to" in result.stdout and result.stdout.strip().endswith("ok")
+            on_gpu = int(re.search(r"eugo: (\d+) tasks ran on GPU workers", result.stdout).group(1))
+            assert on_gpu > 0
+            return result.stdout
 
-        with Client(address, timeout=30) as client:
-            assert "eugo" in client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins))
-            stats = client.run(eugo_dask.device_stats)
-            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
-            by_name = {names[a]: s for a, s in stats.items()}
-        assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
+        yield address, helm_test
     finally:
         for p in procs[::-1]:
             p.terminate()
@@ -264,3 +601,57 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
                 p.kill()
         for log in logs:
             log.close()
+
+
+LOCAL = {"eugo": {"device": "emulated"},
+         "workerGroups": [{"name": "cpu", "memoryLimit": "2GiB"},
+                          {"name": "gpu", "memoryLimit": "2GiB", "gpu": {"type": "t4"}}]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rendered_commands_run_as_local_processes(tmp_path):
+    profile_dir = tmp_path / "etc-eugo"
+    profile_dir.mkdir()
+    values = LOCAL | {"calibration": {"enabled": True}}
+    with launched(values, tmp_path, {"/etc/eugo": str(profile_dir)}) as (address, helm_test):
+        # nothing calibrated yet: the test client's auto is planned with the GPU group's preset
+        assert "planned with profile t4" in helm_test(EUGO_TEST_PROFILE="t4")
+        # the Job stores its profile (here: as the kubelet projects the ConfigMap's new key)
+        (profile_dir / "calibrated.yaml").write_text("name: calibrated-here\nbase: t4\n")
+        helm_test(EUGO_TEST_PROFILE="calibrated-here")
+        assert _plan_profiles(address)[-2:] == ["t4", "calibrated-here"]
+        # the scheduler loaded the plugin and the GPU group's worker ran the device work
+        from distributed import Client
+
+        import eugo_dask
+
+        with Client(address, timeout=30) as client:
+            stats = client.run(eugo_dask.device_stats)
+            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+            by_name = {names[a]: s for a, s in stats.items()}
+        assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl to make a certificate")
+def test_rendered_commands_with_tls_admit_only_certificate_holders(tmp_path):
+    certs = tmp_path / "tls"
+    shutil.copy(make_certificate(certs, "127.0.0.1"), certs / "ca.crt")
+    with launched(LOCAL | VALUE_SETS["tls"], tmp_path, {"/etc/dask/tls": str(certs)}) as (address, helm_test):
+        assert address.startswith("tls://")
+        helm_test()
+        # a client that trusts the CA but whose own certificate it did not sign is turned away
+        other = tmp_path / "other"
+        make_certificate(other, "127.0.0.1")
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+        code = ("from distributed import Client, Security\n"
+                f"Client({address!r}, timeout=5, security=Security(tls_ca_file={str(certs / 'ca.crt')!r}, "
+                f"tls_client_cert={str(other / 'tls.crt')!r}, tls_client_key={str(other / 'tls.key')!r}))")
+        result = subprocess.run([sys.executable, "-c", code], env=plain, capture_output=True, text=True, timeout=60)
+        assert result.returncode != 0 and re.search(r"SSL\w*Error", result.stderr), result.stderr
+        deadline = time.monotonic() + 10  # the scheduler logs the refusal as it closes the connection
+        while "TLS handshake failed" not in (tmp_path / "scheduler.log").read_text():
+            assert time.monotonic() < deadline, "the scheduler did not refuse the handshake"
+            time.sleep(0.1)

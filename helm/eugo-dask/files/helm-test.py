@@ -1,5 +1,7 @@
 """`helm test`: connect, wait for the workers, run a computation; with GPU workers, check that
-eugo put work on them (GPU tasks ran on GPU workers, per the scheduler plugin)."""
+eugo put work on them (GPU tasks ran on GPU workers, per the scheduler plugin) and, where the
+chart alone decides it, that the scheduler planned with the cluster's profile (this client leaves
+eugo.profile at auto)."""
 
 import os
 import sys
@@ -15,6 +17,7 @@ address = os.environ["DASK_SCHEDULER_ADDRESS"]
 workers = int(os.environ.get("EUGO_TEST_WORKERS", "1"))
 gpu = os.environ.get("EUGO_TEST_GPU", "false").lower() == "true"
 timeout = float(os.environ.get("EUGO_TEST_TIMEOUT", "300"))
+expected_profile = os.environ.get("EUGO_TEST_PROFILE")
 
 with Client(address, timeout=timeout) as client:
     client.wait_for_workers(workers, timeout=timeout)
@@ -35,4 +38,8 @@ with Client(address, timeout=timeout) as client:
         print(f"eugo: {on_gpu} tasks ran on GPU workers")
         if not on_gpu:
             sys.exit("no GPU-planned task ran on a GPU worker")
+        profile = summary["plans"][-1]["profile"]
+        print(f"eugo: the scheduler planned with profile {profile}")
+        if expected_profile and profile != expected_profile:
+            sys.exit(f"the scheduler planned with {profile}, not the cluster's {expected_profile}")
     print("ok")

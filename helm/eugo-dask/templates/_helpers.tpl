@@ -2,48 +2,242 @@
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
-{{- define "eugo-dask.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
-app.kubernetes.io/instance: {{ .Release.Name }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
-helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
-{{- end -}}
-
-{{/* selector labels of one component: scheduler, cpu-worker, gpu-worker */}}
-{{- define "eugo-dask.selector" -}}
+{{/* Labels select pods by name, instance and component; each key is written once. */}}
+{{- define "eugo-dask.selectorLabels" -}}
 app.kubernetes.io/name: {{ .root.Chart.Name }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* Object labels: the selector labels plus version and owner. (root, component) */}}
+{{- define "eugo-dask.labels" -}}
+{{ include "eugo-dask.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
+{{- end -}}
+
+{{/* Pod template labels: the selector labels (they win) and the pod's podLabels; no chart
+     version, so a chart upgrade alone restarts nothing. (root, component, pod) */}}
+{{- define "eugo-dask.podLabels" -}}
+{{- toYaml (merge (include "eugo-dask.selectorLabels" . | fromYaml) (.pod.podLabels | default dict)) -}}
+{{- end -}}
+
+{{- define "eugo-dask.profileConfigMap" -}}
+{{- printf "%s-eugo-profile" (include "eugo-dask.fullname" .) -}}
+{{- end -}}
+
 {{- define "eugo-dask.schedulerAddress" -}}
-{{- printf "tcp://%s-scheduler:%v" (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
+{{- printf "%s://%s-scheduler:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
 {{- end -}}
 
+{{/* With tls.enabled, what a Dask process needs: the Secret and Dask's TLS config. */}}
+{{- define "eugo-dask.tlsVolume" -}}
+{{- if not .Values.tls.secretName }}
+{{- fail "tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key" }}
+{{- end -}}
+{{- toJson (dict "name" "dask-tls" "secret" (dict "secretName" .Values.tls.secretName)) -}}
+{{- end -}}
+
+{{- define "eugo-dask.tlsEnv" -}}
+- {name: DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION, value: "True"}
+- {name: DASK_DISTRIBUTED__COMM__TLS__CA_FILE, value: /etc/dask/tls/ca.crt}
+{{- range list "SCHEDULER" "WORKER" "CLIENT" }}
+- {name: DASK_DISTRIBUTED__COMM__TLS__{{ . }}__CERT, value: /etc/dask/tls/tls.crt}
+- {name: DASK_DISTRIBUTED__COMM__TLS__{{ . }}__KEY, value: /etc/dask/tls/tls.key}
+{{- end }}
+{{- end -}}
+
+{{/* The worker groups, each workerDefaults with the group's own keys on top, as a JSON list;
+     fails on what the schema cannot see across a group and the defaults. */}}
+{{- define "eugo-dask.workerGroups" -}}
+{{- $groups := list }}
+{{- $names := list }}
+{{- range $i, $group := .Values.workerGroups }}
+{{- $merged := deepCopy $.Values.workerDefaults }}
+{{- range $key, $value := deepCopy $group }}
+{{- $_ := set $merged $key $value }}
+{{- end }}
+{{- if has $group.name $names }}
+{{- fail (printf "workerGroups[%d].name: %q is used by an earlier group; names must be unique" $i $group.name) }}
+{{- end }}
+{{- $names = append $names $group.name }}
+{{- with $merged.gpu }}
+{{- $_ := set . "count" (.count | default 1) }}
+{{- $_ := set . "taskSlots" (.taskSlots | default 1) }}
+{{- $_ := set . "mode" (.mode | default "worker") }}
+{{- if and (eq .mode "cuda-worker") (ne (toString $merged.memoryLimit) "auto") }}
+{{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
+{{- end }}
+{{- end }}
+{{- $groups = append $groups $merged }}
+{{- end }}
+{{- toJson $groups }}
+{{- end -}}
+
+{{/* The first GPU group (its gpu.type prices plans; calibration measures it), "{}" if none. */}}
+{{- define "eugo-dask.firstGpuGroup" -}}
+{{- $first := dict }}
+{{- range (include "eugo-dask.workerGroups" . | fromJsonArray) }}
+{{- if and .gpu (not $first) }}{{ $first = . }}{{ end }}
+{{- end }}
+{{- toJson $first }}
+{{- end -}}
+
+{{/* image: the pod's image.* over the chart's. (root, pod) */}}
 {{- define "eugo-dask.image" -}}
-{{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+{{- $image := merge (deepCopy (.pod.image | default dict)) .root.Values.image -}}
+image: {{ printf "%s:%s" $image.repository $image.tag | quote }}
+imagePullPolicy: {{ $image.pullPolicy }}
 {{- end -}}
 
-{{/* eugo and writable-scratch environment shared by every container */}}
-{{- define "eugo-dask.env" -}}
-- name: DASK_EUGO__MIN_SPEEDUP
-  value: {{ .Values.eugo.minSpeedup | quote }}
-- name: DASK_EUGO__PROFILE
-  value: {{ .Values.eugo.profile | quote }}
-- name: DASK_EUGO__RESOURCE
-  value: {{ .Values.eugo.resource | quote }}
-- name: DASK_EUGO__LEARN
-  value: {{ .Values.eugo.learn | quote }}
-- name: HOME
-  value: /tmp
-- name: XDG_CACHE_HOME
-  value: /tmp/cache
-- name: DASK_TEMPORARY_DIRECTORY
-  value: /tmp/dask
+{{/* Pod-level settings shared by every pod. (root, pod, gpus; serviceAccountName and
+     automountServiceAccountToken override the pod's) */}}
+{{- define "eugo-dask.podSettings" -}}
+{{- $pod := .pod }}
+{{- $account := .serviceAccountName | default $pod.serviceAccountName }}
+automountServiceAccountToken: {{ ternary .automountServiceAccountToken ($pod.automountServiceAccountToken | default false) (hasKey . "automountServiceAccountToken") }}
+{{- with $account }}
+serviceAccountName: {{ . }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with (.priorityClassName | default $pod.priorityClassName) }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with $pod.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with $pod.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $tolerations := $pod.tolerations | default list }}
+{{- if .gpus }}
+{{- $gpu := dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule" }}
+{{- if not (has $gpu $tolerations) }}{{ $tolerations = append $tolerations $gpu }}{{ end }}
+{{- end }}
+{{- with $tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $affinity := deepCopy ($pod.affinity | default dict) }}
+{{- if and (not .gpus) (not $affinity.nodeAffinity) .root.Values.nonGpuNodeAffinity }}
+{{- $_ := set $affinity "nodeAffinity" .root.Values.nonGpuNodeAffinity }}
+{{- end }}
+{{- with $affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $pod.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
-{{- define "eugo-dask.scratch" -}}
+{{/* Container settings shared by every container: image, env, resources, securityContext,
+     mounts. (root, pod, gpus, env: the component's own EnvVars, mounts: its own volumeMounts,
+     dask: true for a Dask process, which gets the TLS settings) The pod's env replaces an
+     entry of the same name. */}}
+{{- define "eugo-dask.containerSettings" -}}
+{{ include "eugo-dask.image" . }}
+{{- $env := list }}
+{{- if not .gpus }}
+{{- /* the CUDA base image sets NVIDIA_VISIBLE_DEVICES=all: with nvidia as the default
+       runtime, a pod without GPUs would see them all */}}
+{{- $env = append $env (dict "name" "NVIDIA_VISIBLE_DEVICES" "value" "void") }}
+{{- end }}
+{{- $env = concat $env (.env | default list) }}
+{{- if and .dask .root.Values.tls.enabled }}
+{{- $env = concat $env (include "eugo-dask.tlsEnv" . | fromYamlArray) }}
+{{- end }}
+{{- $env = concat $env (list
+      (dict "name" "HOME" "value" "/tmp")
+      (dict "name" "XDG_CACHE_HOME" "value" "/tmp/cache")
+      (dict "name" "DASK_TEMPORARY_DIRECTORY" "value" "/tmp/dask")) }}
+{{- $own := list }}
+{{- range .pod.env }}{{ $own = append $own .name }}{{ end }}
+env:
+{{- range $env }}
+{{- if not (has .name $own) }}
+  - {{ toYaml . | nindent 4 | trim }}
+{{- end }}
+{{- end }}
+{{- with .pod.env }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- $resources := deepCopy (.pod.resources | default dict) }}
+{{- if .gpus }}
+{{- $limits := $resources.limits | default dict }}
+{{- $_ := set $limits "nvidia.com/gpu" .gpus }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+resources:
+  {{- toYaml $resources | nindent 2 }}
+securityContext:
+  {{- toYaml .root.Values.containerSecurityContext | nindent 2 }}
+volumeMounts:
+  - name: scratch
+    mountPath: /tmp
+{{- if and .dask .root.Values.tls.enabled }}
+  - {name: dask-tls, mountPath: /etc/dask/tls, readOnly: true}
+{{- end }}
+{{- with .mounts }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pod.volumeMounts }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* The eugo settings as Dask config. */}}
+{{- define "eugo-dask.eugoEnv" -}}
+- {name: DASK_EUGO__DEVICE, value: {{ .device | quote }}}
+- {name: DASK_EUGO__MIN_SPEEDUP, value: {{ .root.Values.eugo.minSpeedup | quote }}}
+- {name: DASK_EUGO__RESOURCE, value: {{ .root.Values.eugo.resource | quote }}}
+- {name: DASK_EUGO__LEARN, value: {{ .root.Values.eugo.learn | quote }}}
+{{- end -}}
+
+{{/* Volumes: the /tmp scratch emptyDir (size-limited), the TLS Secret for a Dask process,
+     the component's, the pod's. (root, pod, dask, volumes) */}}
+{{- define "eugo-dask.volumes" -}}
 - name: scratch
-  emptyDir: {}
+  emptyDir:
+    sizeLimit: {{ .pod.scratchSizeLimit | default "1Gi" }}
+{{- if and .dask .root.Values.tls.enabled }}
+- {{ include "eugo-dask.tlsVolume" .root }}
+{{- end }}
+{{- with .volumes }}
+{{ toYaml . }}
+{{- end }}
+{{- with .pod.volumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "eugo-dask.probes" -}}
+{{- with .readinessProbe }}
+readinessProbe:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .livenessProbe }}
+livenessProbe:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Every worker group's pods. */}}
+{{- define "eugo-dask.workerPodSelector" -}}
+matchExpressions:
+  - {key: app.kubernetes.io/instance, operator: In, values: [{{ .Release.Name | quote }}]}
+  - key: app.kubernetes.io/component
+    operator: In
+    values:
+      {{- range include "eugo-dask.workerGroups" . | fromJsonArray }}
+      - {{ printf "%s-worker" .name }}
+      {{- end }}
 {{- end -}}

@@ -1,0 +1,136 @@
+"""The Dockerfile, without a Docker engine: hadolint, the user-creation line run against the
+base image's account files, and the versions the images install against the ones CI tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+CONSTRAINTS = ROOT / "docker" / "constraints.txt"
+UBUNTU_ETC = Path(__file__).parent / "fixtures" / "ubuntu-24.04-etc"
+ACCOUNT_FILES = ("passwd", "group", "shadow", "gshadow")
+HADOLINT = str(Path(sys.executable).with_name("hadolint"))
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined and comments dropped, as
+    Docker reads them."""
+    out, current = [], ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or (not line.strip() and not current):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        current += line
+        keyword, _, arguments = current.strip().partition(" ")
+        out.append((keyword.upper(), arguments.strip()))
+        current = ""
+    return out
+
+
+def user_creation_line() -> str:
+    (line,) = [args for kw, args in instructions(DOCKERFILE.read_text()) if kw == "RUN" and "useradd" in args]
+    return line
+
+
+def pins(lines: Iterable[str]) -> dict[str, str]:
+    return {m["name"].lower(): m["version"] for line in lines
+            if (m := re.match(r"\s*(?P<name>[A-Za-z0-9_.-]+)\s*==\s*(?P<version>[^\s;#]+)", line))}
+
+
+def test_hadolint_passes_and_would_report():
+    result = subprocess.run([HADOLINT, str(DOCKERFILE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    unpinned = "FROM ubuntu\nRUN apt-get update && apt-get install -y curl\n"
+    result = subprocess.run([HADOLINT, "-"], input=unpinned, capture_output=True, text=True)
+    assert result.returncode == 1 and "DL3008" in result.stdout  # the linter really runs
+
+
+def test_images_run_tini_as_pid_1_and_user_1000():
+    steps = instructions(DOCKERFILE.read_text())
+    entrypoints = [args for kw, args in steps if kw == "ENTRYPOINT"]
+    assert entrypoints == ['["tini", "-g", "--"]']
+    assert [args for kw, args in steps if kw == "USER"][-1] == "1000:1000"
+    assert [args.split()[-1] for kw, args in steps if kw == "FROM"] == ["eugo-dask", "eugo-dask-cuda"]
+
+
+def run_in_fake_root(etc: Path, home: Path, script: str) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``sh -c`` (as Docker's RUN does) in a private mount namespace where
+    ``etc`` is /etc and ``home`` is /home: the host's own files are never touched."""
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         'mount --bind "$1" /etc && mount --bind "$2" /home && exec sh -c "$3"', "_",
+         str(etc), str(home), script],
+        capture_output=True, text=True, timeout=60)
+
+
+def fake_root(tmp_path: Path, *, with_ubuntu_user: bool) -> tuple[Path, Path]:
+    etc, home = tmp_path / "etc", tmp_path / "home"
+    shutil.copytree("/etc", etc, symlinks=True)  # login.defs, nsswitch.conf, skel as the host has
+    for name in ACCOUNT_FILES:
+        lines = (UBUNTU_ETC / name).read_text().splitlines(keepends=True)
+        if not with_ubuntu_user:
+            lines = [line for line in lines if not line.startswith("ubuntu:")]
+        (etc / name).write_text("".join(lines))
+    home.mkdir()
+    if with_ubuntu_user:
+        (home / "ubuntu").mkdir()
+        (home / "ubuntu" / ".bashrc").write_text("# ubuntu's\n")
+        os.chown(home / "ubuntu", 1000, 1000)
+    return etc, home
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"),
+    reason="needs root and unshare(1) for a private mount namespace (CI and dev machines run as root)")
+
+
+@needs_root
+@pytest.mark.parametrize("with_ubuntu_user", [True, False], ids=["ubuntu-24.04", "no-uid-1000"])
+def test_user_creation_line_gives_uid_1000_to_dask(tmp_path, with_ubuntu_user):
+    etc, home = fake_root(tmp_path, with_ubuntu_user=with_ubuntu_user)
+    result = run_in_fake_root(etc, home, user_creation_line())
+    assert result.returncode == 0, result.stderr
+    passwd = (etc / "passwd").read_text().splitlines()
+    assert [line for line in passwd if line.split(":")[2] == "1000"] == ["dask:x:1000:1000::/home/dask:/bin/bash"]
+    group = (etc / "group").read_text().splitlines()
+    assert [line for line in group if line.split(":")[2] == "1000"] == ["dask:x:1000:"]
+    for name in ("shadow", "gshadow"):
+        entries = [line.split(":")[0] for line in (etc / name).read_text().splitlines()]
+        assert "dask" in entries and "ubuntu" not in entries, name
+    stat = (home / "dask").stat()
+    assert (stat.st_uid, stat.st_gid) == (1000, 1000)
+    assert not (home / "ubuntu").exists()
+
+
+@needs_root
+def test_the_fixture_reproduces_the_base_images_uid_clash(tmp_path):
+    """The line the Dockerfile had before fails on these account files, as it did on the image."""
+    etc, home = fake_root(tmp_path, with_ubuntu_user=True)
+    result = run_in_fake_root(etc, home, "useradd --uid 1000 --create-home --home-dir /home/dask dask")
+    assert result.returncode != 0 and "UID 1000 is not unique" in result.stderr
+
+
+def test_images_pin_the_dask_that_ci_tests():
+    image = pins(CONSTRAINTS.read_text().splitlines())
+    test_extra = pins(line.strip().strip('",') for line in (ROOT / "pyproject.toml").read_text().splitlines())
+    for package in ("dask", "distributed"):
+        assert image[package] == test_extra[package], (
+            f"docker/constraints.txt pins {package}=={image[package]}, the test extra "
+            f"{package}=={test_extra.get(package)}: CI must test what the images run")
+        assert version(package) == image[package], (
+            f"this environment runs {package} {version(package)} but the images pin "
+            f"{image[package]}: reinstall with pip install -e '.[test]'")
+    # dask-cuda's own pins (rapids-dask-dependency) must allow the same Dask
+    assert image["rapids-dask-dependency"].split(".")[:2] == image["dask-cuda"].split(".")[:2]
