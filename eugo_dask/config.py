@@ -25,7 +25,7 @@ import yaml
 from dask.utils import parse_bytes
 
 from eugo_dask.devices import DEVICES, cupy_device_name, resolve_device_name
-from eugo_dask.profile import PRESETS
+from eugo_dask.profile import PRESETS, check_profile_spec
 
 _HERE = os.path.dirname(__file__)
 
@@ -129,7 +129,7 @@ def read_settings() -> Settings:
         raise ValueError(f"eugo.history must be a file path or null; got {history!r}")
     return Settings(
         device=device,
-        profile=dask.config.get("eugo.profile"),
+        profile=check_profile_spec(dask.config.get("eugo.profile")),
         min_speedup=_number("eugo.min-speedup", dask.config.get("eugo.min-speedup"), minimum=0),
         resource=resource,
         device_memory_fraction=_number(

@@ -294,19 +294,38 @@ class OptimizationsBridge:
     """Dask's array optimizer plus the ``optimizations`` config list, read when called.
 
     Pickling (a graph submitted to a distributed scheduler) freezes the list and the ``eugo.*``
-    settings in force at that moment into a :class:`SubmittedOptimizations`.
+    settings in force at that moment into a :class:`SubmittedOptimizations`. Copying it (as
+    ``copy.deepcopy(dask.config.config)`` does, in ``distributed.utils_test`` and in apps that
+    save and restore their settings) gives the live bridge back: a copy of the config keeps
+    reading the settings in force, whatever they were when it was copied.
     """
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
         passes = _configured_passes()
         return run_optimizations(dsk, keys, passes, None, **kwargs)
 
-    def __reduce__(self):
+    def __bool__(self) -> bool:
+        # Dask asks whether the configured optimizer is set (``GlobalMethod.__get__``) when a
+        # collection is turned into a graph on the client, before anything is submitted:
+        # the one moment a bad setting can be reported as itself, naming its key, rather than
+        # from inside the serialization of the graph.
+        passes = _configured_passes()
+        if any(map(_is_eugo_pass, passes)):
+            read_settings()
+        return True
+
+    def __reduce__(self) -> tuple[Any, ...]:
         passes = _configured_passes()
         # validated now (errors reach the user), resolved where the plan is made: "auto"
         # means the cluster's devices, not this client's
         settings = read_settings() if any(map(_is_eugo_pass, passes)) else None
         return (SubmittedOptimizations, (passes, settings))
+
+    def __copy__(self) -> OptimizationsBridge:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OptimizationsBridge:
+        return self
 
     def __eq__(self, other: object) -> bool:
         return type(other) is OptimizationsBridge

@@ -321,6 +321,28 @@ def _merge(base: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
+    """``spec`` if it has the form of a profile: ``auto``, a preset name, a path to a YAML or
+    JSON file, or a valid mapping. Paths are not opened here (a client may name a file that
+    exists only on the scheduler); everything else is checked now, so a typo such as ``h300``
+    is an error whatever the device. Raises :class:`ProfileError`."""
+    if isinstance(spec, str) and (spec in PRESETS or (allow_auto and spec == "auto")):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        path = Path(spec)
+        if path.suffix in {".yaml", ".yml", ".json"} or path.exists():
+            return spec
+        raise ProfileError(
+            f"{_CONFIG_KEY} must be {'auto, ' if allow_auto else ''}one of the presets "
+            f"{list(PRESETS)}, a path to a .yaml/.json profile, or a mapping; got {str(spec)!r}")
+    if isinstance(spec, Mapping):
+        profile_dict(spec)
+        return spec
+    raise ProfileError(
+        f"{_CONFIG_KEY} must be {'auto, ' if allow_auto else ''}a preset name {list(PRESETS)}, "
+        f"a path, or a mapping; got {type(spec).__name__}")
+
+
 def profile_dict(spec: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """Resolve a profile spec (name, path or dict) to its validated dict form, with ``cpu``
     either a dict, a CPU preset name, or absent (measure the local CPU)."""
