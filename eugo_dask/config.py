@@ -10,7 +10,7 @@ import:
   the key and what is allowed); :meth:`Settings.resolved` turns ``auto`` into a device and a
   profile;
 - :func:`process_device` and :func:`emulated_memory_limit`: what a worker's own settings allow
-  inside a task;
+  inside a task; :func:`worker_setting_problems` checks them where a worker starts;
 - :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``.
 """
 
@@ -91,6 +91,8 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
 def process_device() -> str:
     """This process's own ``eugo.device`` (a worker uses a device only where it allows)."""
     device = dask.config.get("eugo.device", "auto")
+    if device is None:  # Dask reads DASK_EUGO__DEVICE=none from the environment as None
+        device = "none"
     if device not in DEVICES:
         raise ValueError(f"eugo.device must be one of {list(DEVICES)}; got {device!r}")
     return device
@@ -99,13 +101,27 @@ def process_device() -> str:
 def emulated_memory_limit() -> int:
     """Capacity of this process's emulated device in bytes (``eugo.emulated.memory-limit``)."""
     memory_limit = dask.config.get("eugo.emulated.memory-limit", "16 GiB")
+    allowed = "a positive byte count or a size like '16 GiB'"
     try:
-        return parse_bytes(memory_limit)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"eugo.emulated.memory-limit must be a byte count or size like '16 GiB'; "
-            f"got {memory_limit!r}"
-        ) from None
+        limit = None if isinstance(memory_limit, bool) else parse_bytes(memory_limit)
+    except (TypeError, ValueError, AttributeError):
+        limit = None
+    if limit is None or limit <= 0:
+        raise ValueError(f"eugo.emulated.memory-limit must be {allowed}; got {memory_limit!r}")
+    return limit
+
+
+def worker_setting_problems() -> list[str]:
+    """What is wrong with this process's own settings as a worker reads them at start
+    (``eugo.device``, ``eugo.emulated.memory-limit``, ``eugo.resource``): one message per
+    key, naming it and what is allowed; empty where all is well."""
+    problems = []
+    for reader in (process_device, emulated_memory_limit, read_resource):
+        try:
+            reader()
+        except ValueError as e:
+            problems.append(str(e))
+    return problems
 
 
 def read_resource() -> str:
@@ -116,6 +132,14 @@ def read_resource() -> str:
     return resource
 
 
+def history_path() -> str | None:
+    """``eugo.history``: where this process keeps learned durations (None: the default)."""
+    history = dask.config.get("eugo.history", None)
+    if history is not None and not isinstance(history, str):
+        raise ValueError(f"eugo.history must be a file path or null; got {history!r}")
+    return history
+
+
 def read_settings() -> Settings:
     """Read and validate the ``eugo.*`` config now in force."""
     device = process_device()
@@ -124,9 +148,7 @@ def read_settings() -> Settings:
     learn = dask.config.get("eugo.learn", False)
     if not isinstance(learn, bool):
         raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
-    history = dask.config.get("eugo.history", None)
-    if history is not None and not isinstance(history, str):
-        raise ValueError(f"eugo.history must be a file path or null; got {history!r}")
+    history = history_path()
     return Settings(
         device=device,
         profile=check_profile_spec(dask.config.get("eugo.profile")),

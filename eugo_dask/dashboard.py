@@ -6,16 +6,18 @@ client later adds the counters but cannot add a page to a dashboard already serv
 
 Live, every half second, from the scheduler plugin and the plans the eugo pass made here:
 
-- tasks on the GPU and on the CPU per task prefix;
-- bytes copied host->device and device->host per transfer prefix;
+- tasks that ran on a GPU and on the CPU per task prefix, as workers report them;
+- bytes copied host->device and device->host;
 - predicted vs measured seconds per prefix;
 - what-if task-seconds (all-CPU, all-GPU, as chosen) of the current and past computations;
-- fallbacks and their reasons.
+- fallbacks and their reasons, and warnings (a GPU worker that cannot use a device, a worker
+  with invalid settings).
 """
 
 from __future__ import annotations
 
 import logging
+from html import escape
 from typing import Any
 
 from eugo_dask.optimization import recent_plans
@@ -79,7 +81,7 @@ class EugoDashboard:
         self.summary = Div(text="", name="eugo-summary")
         table = DataTable(source=self.fallbacks, height=140, sizing_mode="stretch_width",
                           columns=[TableColumn(field="reason", title="Fallback reason"),
-                                   TableColumn(field="count", title="Tasks")])
+                                   TableColumn(field="count", title="Task prefixes")])
         self.root = column(
             self.summary,
             row(self.tasks_fig, self.transfer_fig, sizing_mode="stretch_width"),
@@ -90,38 +92,46 @@ class EugoDashboard:
 
     def update(self) -> None:
         plugin = self.scheduler.plugins.get("eugo")
-        prefixes = dict(plugin.prefixes) if plugin is not None else {}
-        planned = sorted((p for p, s in prefixes.items() if s.gpu_tasks or s.cpu_tasks),
-                         key=lambda p: prefixes[p].gpu_tasks + prefixes[p].cpu_tasks)
-        self.tasks.data = {"prefix": planned, "gpu": [prefixes[p].gpu_tasks for p in planned],
-                           "cpu": [prefixes[p].cpu_tasks for p in planned]}
+        summary = plugin.summary() if plugin is not None else _EMPTY
+        gpu, cpu = summary["tasks"].get("gpu", {}), summary["tasks"].get("cpu", {})
+        planned = sorted(set(gpu) | set(cpu), key=lambda p: gpu.get(p, 0) + cpu.get(p, 0))
+        self.tasks.data = {"prefix": planned, "gpu": [gpu.get(p, 0) for p in planned],
+                           "cpu": [cpu.get(p, 0) for p in planned]}
         self.task_prefixes.factors = planned
-        moved = [(p, s.h2d_bytes, "host to device", "#f28e2b") if s.h2d_bytes else
-                 (p, s.d2h_bytes, "device to host", "#4e79a7")
-                 for p, s in prefixes.items() if s.h2d_bytes or s.d2h_bytes]
-        self.transfers.data = {"prefix": [m[0] for m in moved], "mb": [m[1] / 1e6 for m in moved],
-                               "direction": [m[2] for m in moved], "color": [m[3] for m in moved]}
+        moved = [(direction, summary[key] / 1e6, color) for direction, key, color in
+                 (("host to device", "bytes_h2d", "#f28e2b"),
+                  ("device to host", "bytes_d2h", "#4e79a7")) if summary[key]]
+        self.transfers.data = {"prefix": [m[0] for m in moved], "mb": [m[1] for m in moved],
+                               "direction": [m[0] for m in moved], "color": [m[2] for m in moved]}
         self.transfer_prefixes.factors = [m[0] for m in moved]
-        timed = [p for p in planned if prefixes[p].predicted_s or prefixes[p].actual_s]
+        prefixes = summary["prefixes"]
+        timed = [p for p in prefixes if prefixes[p]["predicted_s"] or prefixes[p]["actual_s"]]
         self.seconds.data = {"prefix": timed,
-                             "predicted": [prefixes[p].predicted_s for p in timed],
-                             "actual": [prefixes[p].actual_s for p in timed]}
+                             "predicted": [prefixes[p]["predicted_s"] for p in timed],
+                             "actual": [prefixes[p]["actual_s"] for p in timed]}
         self.timed_prefixes.factors = timed
         runs = list(recent_plans)
         self.whatif.data = {"run": list(range(1, len(runs) + 1)),
                             **{k: [r[k] for r in runs] for k in ("all_cpu", "all_gpu", "as_chosen")}}
-        fallbacks = dict(plugin.fallbacks) if plugin is not None else {}
-        self.fallbacks.data = {"reason": list(fallbacks), "count": list(fallbacks.values())}
-        gpu = sum(s.gpu_tasks for s in prefixes.values())
-        cpu = sum(s.cpu_tasks for s in prefixes.values())
-        saved = plugin.saved_s if plugin is not None else 0.0
+        reasons = summary["fallback_reasons"]
+        self.fallbacks.data = {"reason": list(reasons),
+                               "count": [", ".join(p) for p in reasons.values()]}
+        warnings = "".join(f"<li>{escape(w)}</li>" for w in summary["warnings"][-5:])
         self.summary.text = (
-            f"<h3>eugo</h3><p><b>{gpu}</b> tasks on the GPU, <b>{cpu}</b> on the CPU; "
-            f"<b>{(plugin.bytes_h2d if plugin else 0) / 1e6:.1f} MB</b> to the device, "
-            f"<b>{(plugin.bytes_d2h if plugin else 0) / 1e6:.1f} MB</b> back; "
-            f"<b>{sum(fallbacks.values())}</b> fallbacks; estimated "
-            f"<b>{saved:.3g} s</b> of task time saved; {len(runs)} computations planned.</p>"
+            f"<h3>eugo</h3><p><b>{sum(gpu.values())}</b> tasks ran on a GPU, "
+            f"<b>{sum(cpu.values())}</b> on the CPU; "
+            f"<b>{summary['bytes_h2d'] / 1e6:.1f} MB</b> to the device, "
+            f"<b>{summary['bytes_d2h'] / 1e6:.1f} MB</b> back; "
+            f"<b>{sum(summary['fallbacks'].values())}</b> fallbacks; estimated "
+            f"<b>{summary['estimated_saved_s']:.3g} s</b> of task time saved; "
+            f"{len(runs)} computations planned.</p>"
+            + (f"<ul class='eugo-warnings'>{warnings}</ul>" if warnings else "")
         )
+
+
+_EMPTY: dict[str, Any] = {"tasks": {}, "bytes_h2d": 0, "bytes_d2h": 0, "prefixes": {},
+                          "fallbacks": {}, "fallback_reasons": {}, "warnings": [],
+                          "estimated_saved_s": 0.0}
 
 
 def eugo_doc(scheduler: Any, extra: dict, doc: Any) -> None:

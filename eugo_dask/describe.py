@@ -200,13 +200,18 @@ class TaskDescriber:
         known = [v for v in inputs.values() if isinstance(v, ArraySpec)]
         unknown_input = any(v is UNKNOWN_ARRAY for v in inputs.values())
         arrays = tuple(known) + embedded_t
-        cache_key = (steps_t, arrays, out, unknown_input)
+        special = self.chunks.special_chunk_type(
+            parts.outkey if parts is not None and type(parts.outkey) is tuple else key)
+        cache_key = (steps_t, arrays, out, unknown_input, special)
         estimate = self._estimates.get(cache_key)
         if estimate is None:
             estimate = estimate_task(list(steps_t), list(arrays), out, self.profile)
             if unknown_input and estimate.gpu_capable:
                 estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
                                    why_cpu="an input chunk's size is unknown")
+            if special is not None and estimate.gpu_capable:
+                estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
+                                   why_cpu=f"chunks of type {special} stay on the host")
             if self.history is not None:
                 estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate

@@ -221,7 +221,20 @@ def set_rebuild_device(device_for_process: Callable[[], EmulatedDevice]) -> None
     _rebuild_device = device_for_process
 
 
-def _rebuild_emulated(data: np.ndarray) -> EmulatedDeviceArray:
+_receive: Callable[[np.ndarray], Any] | None = None
+
+
+def set_receive(receive: Callable[[np.ndarray], Any]) -> None:
+    """Tell this module what to make of a device array arriving from another process (the
+    runtime does, at import): a device array where this process can hold one, else the host
+    array it carried."""
+    global _receive
+    _receive = receive
+
+
+def _rebuild_emulated(data: np.ndarray) -> Any:
+    if _receive is not None:
+        return _receive(data)
     if _rebuild_device is None:
         raise RuntimeError("eugo_dask.runtime was not imported: no emulated device to rebuild on")
     return _rebuild_device().wrap(data)

@@ -50,16 +50,21 @@ def key_name(key: Key) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Chunk shapes and dtypes
 # ---------------------------------------------------------------------------------------------
+#: Chunk types (``collection_annotations["chunk_type"]``) a device array can stand in for.
+_PLAIN_CHUNK_TYPES = frozenset({"numpy.ndarray", "cupy.ndarray", "cupy._core.core.ndarray"})
+
 class ChunkInfo:
     """Chunk shape and dtype per key, read from a HighLevelGraph's array layers before Dask's
     optimization drops them (``layer.collection_annotations``)."""
 
-    def __init__(self, layers: Mapping[str, tuple[tuple[tuple[float, ...], ...], np.dtype[Any]]]):
+    def __init__(self, layers: Mapping[str, tuple[tuple[tuple[float, ...], ...], np.dtype[Any]]],
+                 chunk_types: Mapping[str, str] | None = None):
         self._layers = dict(layers)
+        self._chunk_types = dict(chunk_types or {})
 
     @classmethod
     def from_graph(cls, graph: Any) -> ChunkInfo:
-        layers = {}
+        layers, chunk_types = {}, {}
         for name, layer in getattr(graph, "layers", {}).items():
             annotations = getattr(layer, "collection_annotations", None) or {}
             chunks, dtype = annotations.get("chunks"), annotations.get("dtype")
@@ -68,10 +73,21 @@ class ChunkInfo:
                     layers[name] = (tuple(tuple(c) for c in chunks), np.dtype(dtype))
                 except TypeError:
                     continue
-        return cls(layers)
+                chunk_type = annotations.get("chunk_type")
+                if isinstance(chunk_type, str) and chunk_type not in _PLAIN_CHUNK_TYPES:
+                    chunk_types[name] = chunk_type
+        return cls(layers, chunk_types)
 
     def merge(self, other: ChunkInfo) -> ChunkInfo:
-        return ChunkInfo({**self._layers, **other._layers})
+        return ChunkInfo({**self._layers, **other._layers},
+                         {**self._chunk_types, **other._chunk_types})
+
+    def special_chunk_type(self, key: Key) -> str | None:
+        """The chunk type of ``key``'s layer where it is not a plain array (a masked array, a
+        sparse matrix: no device holds those), else None."""
+        if not self._chunk_types:
+            return None
+        return self._chunk_types.get(key[0] if type(key) is tuple else key)
 
     def block_of(self, name: str, index: tuple[slice, ...]) -> tuple[int, ...] | None:
         """Block coordinates of the chunk of layer ``name`` that ``index`` selects exactly."""

@@ -62,7 +62,12 @@ class RuntimeHistory:
             self.load()
 
     def record(self, op: str, device: str, nbytes: float, seconds: float) -> bool:
-        """Record one observed duration; False where it was discarded (warm-up) or rejected."""
+        """Record one observed duration; False where it was discarded (warm-up) or rejected
+        (spikes, and anything that is not a finite, non-negative duration)."""
+        if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(nbytes) and nbytes >= 0):
+            with self._lock:
+                self.rejected += 1
+            return False
         key = (op, device, size_bucket(nbytes))
         per_byte = seconds / max(nbytes, 1)
         with self._lock:
@@ -123,8 +128,13 @@ class RuntimeHistory:
         try:
             data = json.loads(self.path.read_text())
             for b in data["buckets"]:
-                key = (b["op"], b["device"], int(b["bucket"]))
-                self._samples[key] = [float(x) for x in b["s_per_byte"]][-self.max_samples:]
+                key = (str(b["op"]), str(b["device"]), int(b["bucket"]))
+                samples = [float(x) for x in b["s_per_byte"]]
+                kept = [x for x in samples if math.isfinite(x) and x >= 0]
+                if len(kept) < len(samples):  # a file edited by hand, or by someone else
+                    logger.warning("eugo: ignoring %d negative or non-finite durations in %s",
+                                   len(samples) - len(kept), self.path)
+                self._samples[key] = kept[-self.max_samples:]
                 self._warmed.add(key)
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("eugo: ignoring unreadable runtime history %s: %s", self.path, e)

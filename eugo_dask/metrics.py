@@ -16,6 +16,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from eugo_dask.optimization import pass_stats
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -50,33 +52,45 @@ class EugoCollector:
         plugin = scheduler.plugins.get("eugo") if scheduler is not None else None
         if plugin is None:
             return
-        tasks = counter("eugo_tasks", "Tasks eugo planned, by the device they ran on and prefix.",
-                        labels=["device", "prefix"])
-        transfer = counter("eugo_transfer_bytes", "Bytes copied between host and device.",
-                           labels=["direction"])
-        fallbacks = counter("eugo_fallbacks", "GPU tasks that ran their CPU path, by reason.",
-                            labels=["reason"])
+        summary = plugin.summary()
+        tasks = counter("eugo_tasks", "eugo's tasks by where they ran (GPU tasks as workers "
+                        "report) and prefix.", labels=["device", "prefix"])
+        for device, by_prefix in summary["tasks"].items():
+            for prefix, n in by_prefix.items():
+                tasks.add_metric([device, prefix], n)
+        transfer = counter("eugo_transfer_bytes", "Bytes copied between host and device, as "
+                           "workers report.", labels=["direction"])
+        transfer.add_metric(["host_to_device"], summary["bytes_h2d"])
+        transfer.add_metric(["device_to_host"], summary["bytes_d2h"])
+        fallbacks = counter("eugo_fallbacks", "GPU tasks that ran their CPU path, by category.",
+                            labels=["category"])
+        for category, n in summary["fallbacks"].items():
+            fallbacks.add_metric([category], n)
         predicted = counter("eugo_predicted_seconds",
                             "Estimated seconds of finished planned tasks, by prefix.",
                             labels=["prefix"])
         actual = counter("eugo_actual_seconds",
                          "Measured compute seconds of finished planned tasks, by prefix.",
                          labels=["prefix"])
-        for prefix, stats in list(plugin.prefixes.items()):
-            tasks.add_metric(["gpu", prefix], stats.gpu_tasks)
-            tasks.add_metric(["cpu", prefix], stats.cpu_tasks)
-            predicted.add_metric([prefix], stats.predicted_s)
-            actual.add_metric([prefix], stats.actual_s)
-        transfer.add_metric(["host_to_device"], plugin.bytes_h2d)
-        transfer.add_metric(["device_to_host"], plugin.bytes_d2h)
-        for reason, n in list(plugin.fallbacks.items()):
-            fallbacks.add_metric([reason], n)
-        saved = gauge("eugo_saved_seconds",
-                      "Estimated task-seconds saved by GPU placement against all-CPU.")
-        saved.add_metric([], plugin.saved_s)
+        for prefix, stats in summary["prefixes"].items():
+            predicted.add_metric([prefix], stats["predicted_s"])
+            actual.add_metric([prefix], stats["actual_s"])
+        saved = gauge("eugo_saved_seconds", "Estimated task-seconds saved by GPU tasks that ran "
+                      "on a device, against all-CPU.")
+        saved.add_metric([], summary["estimated_saved_s"])
+        without = gauge("eugo_gpu_workers_without_device",
+                        "Workers advertising the GPU resource that cannot use a device.")
+        without.add_metric([], len(summary["workers_without_device"]))
+        invalid = gauge("eugo_workers_with_invalid_settings",
+                        "Workers whose own eugo settings are invalid (they use no device).")
+        invalid.add_metric([], len(summary["invalid_settings"]))
         errors = counter("eugo_plugin_errors", "Errors caught in the eugo scheduler plugin.")
-        errors.add_metric([], plugin.errors)
-        yield from (tasks, transfer, fallbacks, predicted, actual, saved, errors)
+        errors.add_metric([], summary["errors"])
+        pass_errors = counter("eugo_pass_errors", "Failures of the eugo pass in this process "
+                              "(each graph ran unchanged).")
+        pass_errors.add_metric([], pass_stats()["pass_errors"])
+        yield from (tasks, transfer, fallbacks, predicted, actual, saved, without, invalid,
+                    errors, pass_errors)
 
 
 _collector: EugoCollector | None = None

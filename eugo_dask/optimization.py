@@ -32,13 +32,14 @@ from dask.array.optimization import optimize as dask_array_optimize
 from dask.base import tokenize
 
 from eugo_dask._version import __version__
-from eugo_dask.config import Settings, cluster_profile, read_settings, resolve_profile
+from eugo_dask.config import Settings, cluster_profile, history_path, read_settings, resolve_profile
 from eugo_dask.describe import GraphDescription, describe_graph
 from eugo_dask.graph import ChunkInfo, Key, flatten_keys, task_spec_dict
 from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import Plan, place
 from eugo_dask.profile import Profile, load_profile
 from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
+from eugo_dask.runtime import EVENT_TOPIC
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -46,45 +47,67 @@ logger = logging.getLogger(__name__)
 #: What-if totals of the plans made in this process, newest last (the dashboard shows them).
 recent_plans: deque[dict[str, Any]] = deque(maxlen=100)
 
-# Settings frozen on the client at submission, in force while the scheduler runs the passes.
-_submitted: contextvars.ContextVar[Settings | None] = contextvars.ContextVar(
-    "eugo_submitted_settings", default=None
+class Submission(NamedTuple):
+    """What the client froze when it submitted a graph: its validated ``eugo.*`` settings and
+    the annotations in force (``dask.annotate`` around ``compute``), which the scheduler applies
+    to every task and eugo merges into the resources its GPU tasks ask for."""
+
+    settings: Settings
+    annotations: dict[str, Any]
+
+
+# What the client froze at submission, in force while the scheduler runs the passes.
+_submitted: contextvars.ContextVar[Submission | None] = contextvars.ContextVar(
+    "eugo_submission", default=None
 )
 
 
 def _current_settings() -> Settings:
-    frozen = _submitted.get()
-    if frozen is None:  # a local scheduler: this machine's devices
+    submission = _submitted.get()
+    if submission is None:  # a local scheduler: this machine's devices
         return read_settings().resolved()
     # submitted to a distributed scheduler: plan for the cluster's workers, with the cluster's
-    # own profile where the client left it to us (eugo.profile: auto)
+    # own profile where the client left it to us (eugo.profile: auto); learned durations are
+    # the scheduler's own (a client does not choose where the scheduler writes)
+    frozen = submission.settings
+    changes: dict[str, Any] = {"history": history_path()}
     if frozen.profile == "auto":
         cluster = cluster_profile()
         if cluster is not None:
-            frozen = Settings(**{**frozen.to_dict(), "profile": cluster})
-    return frozen.resolved(gpu_workers=_cluster_has_gpu_workers(frozen.resource))
+            changes["profile"] = cluster
+    frozen = Settings(**{**frozen.to_dict(), **changes})
+    scheduler = _running_scheduler()
+    if scheduler is None:
+        return frozen.resolved()
+    workers = list(scheduler.workers.values())
+    if not any(ws.resources.get(frozen.resource) for ws in workers):
+        if frozen.device != "none":
+            # a resource request nothing can satisfy would wait forever in no-worker
+            advertised = sorted({r for ws in workers for r in ws.resources})
+            _tell_scheduler(scheduler, (
+                f"eugo: no worker advertises the resource {frozen.resource!r} (workers "
+                f"advertise: {advertised or 'none'}); this graph runs unchanged on the CPU"))
+        return Settings(**{**frozen.to_dict(), "device": "none"})
+    return frozen.resolved(gpu_workers=True)
 
 
-def _eugo_scheduler() -> Any:
-    """The distributed scheduler this pass runs in, where it has the eugo plugin; None where
-    that cannot be known (no scheduler in this process, or several that have the plugin)."""
+def _running_scheduler() -> Any:
+    """The distributed scheduler this pass runs in, or None (a client, a local scheduler, or
+    several schedulers in one process of which none is receiving a graph)."""
     module = sys.modules.get("distributed.scheduler")  # imported only where one may run
     if module is None:
         return None
-    candidates = [s for s in list(module.Scheduler._instances)
-                  if s.status.name == "running" and "eugo" in s.plugins]
+    candidates = [s for s in list(module.Scheduler._instances) if s.status.name == "running"]
     if len(candidates) > 1:  # several in one process (tests): the one receiving a graph
         candidates = [s for s in candidates if getattr(s, "_active_graph_updates", 0)]
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _cluster_has_gpu_workers(resource: str) -> bool | None:
-    """Whether the scheduler this pass runs in has workers advertising ``resource`` (None where
-    that cannot be known: no eugo scheduler plugin here)."""
-    scheduler = _eugo_scheduler()
-    if scheduler is None:
-        return None
-    return any(ws.resources.get(resource) for ws in list(scheduler.workers.values()))
+def _tell_scheduler(scheduler: Any, warning: str) -> None:
+    """Log a warning and hand it to the scheduler's event log (the eugo plugin shows it), from
+    the thread Dask materializes graphs in."""
+    logger.warning(warning)
+    scheduler.loop.add_callback(scheduler.log_event, EVENT_TOPIC, {"warning": warning})
 
 
 def _may_be_ours(key: Key) -> bool:
@@ -247,8 +270,10 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: 
             _expect_timings(plan, settings, {})
         return dsk
     logger.debug("eugo: %d of %d tasks on the GPU", len(plan.gpu_keys), len(plan))
+    submission = _submitted.get()
     how = Rewrite(settings.device, settings.resource, _token(settings, profile),
-                  _user_annotations(dsk))
+                  _user_annotations(dsk),
+                  dict(submission.annotations.get("resources") or {}) if submission else {})
     rewritten = rewrite_graph(graph, plan, described.description.order, original,
                               flatten_keys(keys), how)
     if settings.learn:
@@ -264,13 +289,13 @@ def _is_eugo_pass(opt: Callable[..., Any]) -> bool:
 
 
 def run_optimizations(
-    dsk: Any, keys: Any, passes: tuple[Callable[..., Any], ...], settings: Settings | None,
+    dsk: Any, keys: Any, passes: tuple[Callable[..., Any], ...], submission: Submission | None,
     **kwargs: Any,
 ) -> Any:
     """Dask's array optimization, then each of ``passes`` in order."""
     chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
     dsk = dask_array_optimize(dsk, keys, **kwargs)
-    token = _submitted.set(settings)
+    token = _submitted.set(submission)
     try:
         for opt in passes:
             dsk = opt(dsk, keys, chunk_info=chunk_info) if _is_eugo_pass(opt) else opt(dsk, keys)
@@ -319,7 +344,7 @@ class OptimizationsBridge:
         # validated now (errors reach the user), resolved where the plan is made: "auto"
         # means the cluster's devices, not this client's
         settings = read_settings() if any(map(_is_eugo_pass, passes)) else None
-        return (SubmittedOptimizations, (passes, settings))
+        return (SubmittedOptimizations, (passes, settings, dict(dask.get_annotations())))
 
     def __copy__(self) -> OptimizationsBridge:
         return self
@@ -338,21 +363,27 @@ class OptimizationsBridge:
 
 
 class SubmittedOptimizations:
-    """The client's ``optimizations`` and ``eugo.*`` settings as they were at submission."""
+    """The client's ``optimizations``, ``eugo.*`` settings and annotations as they were at
+    submission."""
 
-    def __init__(self, passes: tuple[Callable[..., Any], ...], settings: Settings | None) -> None:
+    def __init__(self, passes: tuple[Callable[..., Any], ...], settings: Settings | None,
+                 annotations: dict[str, Any] | None = None) -> None:
         self.passes = tuple(passes)
         self.settings = settings
+        self.annotations = annotations or {}
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        return run_optimizations(dsk, keys, self.passes, self.settings, **kwargs)
+        submission = Submission(self.settings, self.annotations) if self.settings else None
+        return run_optimizations(dsk, keys, self.passes, submission, **kwargs)
 
-    def __reduce__(self):
-        return (SubmittedOptimizations, (self.passes, self.settings))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SubmittedOptimizations, (self.passes, self.settings, self.annotations))
 
-    def _identity(self) -> tuple:
-        settings = json.dumps(self.settings.to_dict(), sort_keys=True, default=str) if self.settings else None
-        return (tuple(map(id, self.passes)), settings)
+    def _identity(self) -> tuple[Any, ...]:
+        settings = (json.dumps(self.settings.to_dict(), sort_keys=True, default=str)
+                    if self.settings else None)
+        return (tuple(map(id, self.passes)), settings,
+                json.dumps(self.annotations, sort_keys=True, default=str))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SubmittedOptimizations) and self._identity() == other._identity()

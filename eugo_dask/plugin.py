@@ -1,24 +1,31 @@
-"""Scheduler plugin: GPU work on GPU workers, aggregation and I/O on CPU workers, never a hang.
+"""Scheduler plugin: GPU work on GPU workers, aggregation on CPU workers, counts of what ran.
 
-Load it either way:
+Load it either way (they are equivalent; only the preload can add the dashboard page, which must
+exist before the dashboard is built):
 
 - ``dask scheduler --preload eugo_dask.plugin`` (this module's :func:`dask_setup`);
 - ``client.register_plugin(EugoSchedulerPlugin())``.
 
-What it does with the annotations the rewrite puts on every task (:class:`~eugo_dask.rewrite.
-TaskRoles`):
+Reach it as ``scheduler.plugins["eugo"]`` (the metrics and the dashboard do; no registry of its
+own). What it does with the annotations the rewrite puts on every task
+(:class:`~eugo_dask.rewrite.TaskRoles`):
 
-- device work and transfers already ask for the worker resource (``eugo.resource``, ``GPU``);
-  while at least one worker advertises it, that is where they run, one task per resource unit
-  (``dask worker --resources GPU=1`` runs one at a time; ``GPU=4`` runs four);
-- with no such worker, the resource request is dropped and those tasks run their CPU path on
-  whatever workers there are (a warning says so once per graph). When the last GPU worker leaves
-  mid-computation, its pending tasks are re-routed the same way; a GPU worker that joins later is
-  used by later graphs;
-- aggregation, ``finalize`` and I/O tasks are restricted to CPU workers (those without the
-  resource) when any exist, loosely: with none able to take them they may run elsewhere;
-- counters for the dashboard: tasks by device and prefix, bytes copied each way, fallbacks and
-  their reasons (reported by workers), and estimated seconds saved against an all-CPU run.
+- device work and transfers ask for the worker resource (``eugo.resource``, ``GPU``), so they run
+  on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four). The
+  pass leaves a graph on the CPU where no worker advertises the resource it would ask for; when
+  the last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their
+  CPU path on the workers there are;
+- aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist. Root tasks
+  (reads, data producers) are left unrestricted, so the scheduler still queues them and a large
+  read streams through bounded memory;
+- every worker gets :class:`~eugo_dask.worker.EugoWorkerPlugin`: it checks the worker's own
+  settings, reports a GPU worker that cannot use a device, and makes device arrays land as host
+  arrays where they cannot be held.
+
+Counts come from what workers report they ran (Fine Performance Metrics the worker sends with its
+heartbeats: tasks that ran on the device or their CPU path, bytes each copy moved, fallbacks by
+category), never from the plan. Events from workers are accepted only in their known shapes,
+with bounded label sets; what the plugin keeps is bounded too.
 
 Hook bodies never raise into the scheduler: errors are logged and counted.
 """
@@ -26,11 +33,14 @@ Hook bodies never raise into the scheduler: errors are logged and counted.
 from __future__ import annotations
 
 import logging
-from collections import Counter, defaultdict, deque
-from dataclasses import asdict, dataclass, field
+import math
+import re
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
 
 from eugo_dask.config import read_resource
 from eugo_dask.dashboard import install as install_dashboard
@@ -38,15 +48,15 @@ from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
 from eugo_dask.optimization import recent_plans
-from eugo_dask.rewrite import (
-    CPU_ROLE,
-    DEVICE_ROLES,
-    GPU_ROLE,
-    HOST_ROLE,
-    TODEVICE_ROLE,
-    TOHOST_ROLE,
+from eugo_dask.rewrite import CPU_ROLE, DEVICE_ROLES, GPU_ROLE, HOST_ROLE
+from eugo_dask.runtime import (
+    EVENT_TOPIC,
+    FALLBACK_CATEGORIES,
+    RAN_ON_CPU,
+    RAN_ON_DEVICE,
+    cpu_path_task,
 )
-from eugo_dask.runtime import EVENT_TOPIC, cpu_path_task
+from eugo_dask.worker import EugoWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -55,6 +65,29 @@ logger = logging.getLogger(__name__)
 _task_logger = logging.getLogger(__name__ + ".tasks")
 
 _PENDING = frozenset({"released", "waiting", "no-worker", "queued"})
+#: Bounds on what the plugin keeps, whatever clients and workers send.
+MAX_PREFIXES = 2_000
+MAX_REASONS = 100
+MAX_WARNINGS = 100
+MAX_TEXT = 300
+#: Fallback reasons workers report start with one of these (runtime.DeviceCall's words).
+_REASON = re.compile(r"^(device error|unsupported on device|no device|host-only chunk|"
+                     r"device error on receive)(: .*)?$")
+
+
+@dataclass
+class PrefixStats:
+    """What eugo's CPU-side tasks of one prefix did, and how the plan's estimates compared
+    with the compute time workers measured."""
+
+    cpu_tasks: int = 0  # tasks the plan kept on the CPU that finished
+    predicted_s: float = 0.0
+    actual_s: float = 0.0
+    planned_gpu: int = 0  # GPU-planned tasks that finished (they report where they ran)
+    planned_saving_s: float = 0.0  # estimated CPU seconds minus GPU seconds of those
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 class EugoSchedulerPlugin(SchedulerPlugin):
@@ -71,33 +104,46 @@ class EugoSchedulerPlugin(SchedulerPlugin):
 
     def __init__(self, *, resource: str | None = None) -> None:
         self.resource = resource if resource is not None else read_resource()
+        self._fresh_state()
+
+    # A plugin registered from a client arrives by pickle, without __init__: it carries its
+    # resource, and starts with empty counters whatever the client's copy held.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"resource": self.resource}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.resource = state["resource"]
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
-        self.host_keys: set = set()  # aggregation / finalize / I/O not finished yet
+        self.host_keys: set = set()  # aggregation / finalize not finished yet
         self.cpu_keys: set = set()  # other planned tasks the plan kept on the CPU
         self.errors = 0
-        self.warnings: list[str] = []
-        self.prefixes: dict[str, PrefixStats] = defaultdict(PrefixStats)
-        self.fallbacks: Counter[str] = Counter()
-        self.saved_s = 0.0
+        self.warnings: deque[str] = deque(maxlen=MAX_WARNINGS)
+        self.prefixes: dict[str, PrefixStats] = {}
+        #: distinct fallback reasons -> the task prefixes that reported them (each worker
+        #: reports a reason once per prefix; the counts are the workers' metrics, by category)
+        self.fallback_reasons: dict[str, set[str]] = {}
+        self.workers_without_device: dict[str, str] = {}
+        self.invalid_settings: dict[str, str] = {}
         self._estimates: dict[Any, tuple[float, float]] = {}
         #: (key, role, worker name) of recent eugo tasks, as the scheduler ran them
         self.placements: deque[tuple[Any, str | None, str | None]] = deque(maxlen=100_000)
-
-    @property
-    def bytes_h2d(self) -> int:
-        return sum(p.h2d_bytes for p in self.prefixes.values())
-
-    @property
-    def bytes_d2h(self) -> int:
-        return sum(p.d2h_bytes for p in self.prefixes.values())
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._guard("metrics", register_metrics, scheduler)
+        try:
+            await scheduler.register_worker_plugin(
+                None, dumps(EugoWorkerPlugin(self.resource)), name="eugo", idempotent=True)
+        except Exception:  # never break the scheduler
+            self.errors += 1
+            logger.exception("eugo scheduler plugin: installing the worker plugin failed")
 
-    def _guard(self, what: str, fn, *args: Any) -> None:
+    def _guard(self, what: str, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
         except Exception:  # never break the scheduler
@@ -132,21 +178,21 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         rerouted = 0
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state not in _PENDING:
+            if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
                 continue
-            kind = role["role"]
-            if role.get("cpu_s") is not None:
+            kind = role.get("role")
+            if role.get("cpu_s") is not None and role.get("est_s") is not None:
                 self._estimates[key] = (role["cpu_s"], role["est_s"])
             if kind == CPU_ROLE:
                 self.cpu_keys.add(key)
             elif kind in DEVICE_ROLES:
                 self.gpu_keys.add(key)
-                if not gpu_present:
+                if not gpu_present:  # the GPU workers left between planning and now
                     self._run_on_cpu(ts)
                     rerouted += 1
             elif kind == HOST_ROLE:
                 self.host_keys.add(key)
-                if cpu_workers:
+                if cpu_workers and not _is_root(ts):
                     ts.worker_restrictions = set(cpu_workers)
                     ts.loose_restrictions = True
         if rerouted:
@@ -168,7 +214,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ts.run_spec = cpu_path_task(ts.run_spec)
 
     def _warn(self, message: str) -> None:
-        self.warnings.append(message)
+        self.warnings.append(message[:MAX_TEXT])
         logger.warning(message)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
@@ -188,6 +234,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._guard("remove_worker", self._worker_left, scheduler, worker, stimulus_id)
 
     def _worker_left(self, scheduler: Scheduler, worker: str, stimulus_id: str) -> None:
+        self.workers_without_device.pop(worker, None)
+        self.invalid_settings.pop(worker, None)
         for key in self.host_keys:
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.worker_restrictions:
@@ -223,35 +271,36 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
 
+    def _prefix(self, name: str) -> PrefixStats:
+        stats = self.prefixes.get(name)
+        if stats is None:
+            if len(self.prefixes) >= MAX_PREFIXES:
+                name = "other"
+            stats = self.prefixes.setdefault(name, PrefixStats())
+        return stats
+
     def _count(self, key: Any, worker: str | None, startstops: Any) -> None:
         scheduler = self.scheduler
-        if scheduler is None or not (key in self.gpu_keys or key in self.host_keys
-                                     or key in self.cpu_keys):
+        gpu, host, cpu = key in self.gpu_keys, key in self.host_keys, key in self.cpu_keys
+        if scheduler is None or not (gpu or host or cpu):
             return
         ts = scheduler.tasks.get(key)
         if ts is None:
             return
         role = (ts.annotations or {}).get("eugo", {}).get("role")
-        stats = self.prefixes[ts.prefix.name]
         ws = scheduler.workers.get(worker) if worker is not None else None
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
-        if role == TODEVICE_ROLE:
-            stats.h2d_bytes += ts.nbytes
-            return
-        if role == TOHOST_ROLE:
-            stats.d2h_bytes += ts.nbytes
-            return
-        on_gpu = role == GPU_ROLE and ws is not None and bool(ws.resources.get(self.resource))
-        if on_gpu:
-            stats.gpu_tasks += 1
-        else:
-            stats.cpu_tasks += 1
+        stats = self._prefix(ts.prefix.name)
         estimate = self._estimates.pop(key, None)
-        if estimate is not None:
-            stats.predicted_s += estimate[1] if on_gpu or role != GPU_ROLE else estimate[0]
+        if role == GPU_ROLE:
+            stats.planned_gpu += 1
+            if estimate is not None:
+                stats.planned_saving_s += estimate[0] - estimate[1]
+        elif role in (CPU_ROLE, HOST_ROLE):
+            stats.cpu_tasks += 1
+        if estimate is not None and role in (GPU_ROLE, CPU_ROLE, HOST_ROLE):
+            stats.predicted_s += estimate[1]
             stats.actual_s += _compute_seconds(startstops)
-            if on_gpu:
-                self.saved_s += estimate[0] - estimate[1]
 
     def _learn(self, key: Any, startstops: Any) -> None:
         seconds = _compute_seconds(startstops)
@@ -262,52 +311,103 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         save_all()
 
     def log_event(self, topic: str, msg: Any) -> None:
-        if topic == EVENT_TOPIC and isinstance(msg, dict) and "fallback" in msg:
-            self.fallbacks[msg["fallback"]] += 1
-            self.prefixes[str(msg.get("prefix"))].fallbacks[msg["fallback"]] += 1
-            _task_logger.debug("fallback in %s: %s", msg.get("prefix"), msg["fallback"])
+        if topic == EVENT_TOPIC:
+            self._guard("log_event", self._event, msg)
+
+    def _event(self, msg: Any) -> None:
+        """Workers' (and the pass's) reports, accepted only in their known shapes."""
+        if not isinstance(msg, dict):
+            return
+        text = {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
+                and len(v) <= MAX_TEXT}
+        if "fallback" in text and _REASON.match(text["fallback"]):
+            reason = text["fallback"]
+            if reason in self.fallback_reasons or len(self.fallback_reasons) < MAX_REASONS:
+                prefixes = self.fallback_reasons.setdefault(reason, set())
+                if len(prefixes) < MAX_REASONS:
+                    prefixes.add(text.get("prefix", "?"))
+            _task_logger.debug("fallback in %s: %s", text.get("prefix"), text["fallback"])
+        elif "no-device" in text and "worker" in text:
+            if self.scheduler is not None and text["worker"] in self.scheduler.workers:
+                self.workers_without_device[text["worker"]] = text["no-device"]
+                self._warn(f"eugo: GPU worker {text['worker']} cannot use a device "
+                           f"({text['no-device']}): its GPU tasks run their CPU path")
+        elif "invalid-setting" in text and "worker" in text:
+            if self.scheduler is not None and text["worker"] in self.scheduler.workers:
+                self.invalid_settings[text["worker"]] = text["invalid-setting"]
+                self._warn(f"eugo: worker {text['worker']}: {text['invalid-setting']}")
+        elif "warning" in text:
+            self._warn(text["warning"])
 
     # -- reading ------------------------------------------------------------------------------
+    def worker_reports(self) -> dict[str, Any]:
+        """What workers report their eugo tasks did, per task prefix (from the Fine Performance
+        Metrics they send with their heartbeats): tasks that ran on a device or on the CPU,
+        bytes copied each way, and fallbacks by category."""
+        ran: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}}
+        h2d = d2h = 0.0
+        fallbacks: Counter[str] = Counter()
+        metrics = self.scheduler.cumulative_worker_metrics if self.scheduler is not None else {}
+        for key, value in list(metrics.items()):
+            if not (isinstance(key, tuple) and len(key) == 4 and key[0] == "execute"):
+                continue
+            _, prefix, activity, unit = key
+            if activity == RAN_ON_DEVICE and unit == "tasks":
+                ran["gpu"][prefix] = ran["gpu"].get(prefix, 0) + int(value)
+            elif activity == RAN_ON_CPU and unit == "tasks":
+                ran["cpu"][prefix] = ran["cpu"].get(prefix, 0) + int(value)
+            elif activity == "eugo-h2d" and unit == "bytes":
+                h2d += value
+            elif activity == "eugo-d2h" and unit == "bytes":
+                d2h += value
+            elif (unit == "tasks" and isinstance(activity, str)
+                  and activity.startswith("eugo-fallback-")):
+                category = activity.removeprefix("eugo-fallback-")
+                if category in FALLBACK_CATEGORIES:
+                    fallbacks[category] += int(value)
+        return {"ran": ran, "bytes_h2d": int(h2d), "bytes_d2h": int(d2h),
+                "fallbacks": dict(fallbacks)}
+
     def summary(self) -> dict[str, Any]:
-        """The counters, as plain data."""
-        by_device: dict[str, dict[str, int]] = defaultdict(dict)
+        """The counters, as plain data: tasks by where they ran (GPU tasks as workers report;
+        CPU-planned tasks as they finished), bytes copied, fallbacks, estimates, warnings."""
+        reports = self.worker_reports()
+        tasks: dict[str, dict[str, int]] = {"gpu": dict(reports["ran"]["gpu"]),
+                                            "cpu": dict(reports["ran"]["cpu"])}
         for prefix, stats in self.prefixes.items():
-            for device, n in (("gpu", stats.gpu_tasks), ("cpu", stats.cpu_tasks)):
-                if n:
-                    by_device[device][prefix] = n
+            if stats.cpu_tasks:
+                tasks["cpu"][prefix] = tasks["cpu"].get(prefix, 0) + stats.cpu_tasks
+        on_device = sum(reports["ran"]["gpu"].values())
+        cpu_path = sum(reports["ran"]["cpu"].values())
+        planned_saving = sum(s.planned_saving_s for s in self.prefixes.values())
+        # the saving the plan promised, for the share of GPU tasks that did run on a device
+        share = on_device / (on_device + cpu_path) if on_device + cpu_path else 0.0
         return {
-            "tasks": dict(by_device),
-            "bytes_h2d": self.bytes_h2d,
-            "bytes_d2h": self.bytes_d2h,
-            "fallbacks": dict(self.fallbacks),
-            "estimated_saved_s": self.saved_s,
+            "tasks": {k: v for k, v in tasks.items() if v},
+            "bytes_h2d": reports["bytes_h2d"],
+            "bytes_d2h": reports["bytes_d2h"],
+            "fallbacks": reports["fallbacks"],
+            "fallback_reasons": {r: sorted(p) for r, p in self.fallback_reasons.items()},
+            "estimated_saved_s": planned_saving * share,
             "prefixes": {p: s.to_dict() for p, s in self.prefixes.items()},
+            "workers_without_device": dict(self.workers_without_device),
+            "invalid_settings": dict(self.invalid_settings),
             "warnings": list(self.warnings),
             "errors": self.errors,
             "plans": [dict(p) for p in recent_plans],
         }
 
 
-@dataclass
-class PrefixStats:
-    """What eugo did for one task prefix."""
-
-    gpu_tasks: int = 0
-    cpu_tasks: int = 0
-    h2d_bytes: int = 0
-    d2h_bytes: int = 0
-    predicted_s: float = 0.0
-    actual_s: float = 0.0
-    fallbacks: Counter = field(default_factory=Counter)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["fallbacks"] = dict(self.fallbacks)
-        return out
+def _is_root(ts: TaskState) -> bool:
+    """A task the scheduler may queue as a root (a read, a data producer): left unrestricted,
+    since distributed queues only unrestricted root-ish tasks."""
+    run_spec = ts.run_spec
+    return not ts.dependencies or bool(getattr(run_spec, "data_producer", False))
 
 
 def _compute_seconds(startstops: Any) -> float:
-    return sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
+    seconds = sum(ss["stop"] - ss["start"] for ss in startstops if ss.get("action") == "compute")
+    return seconds if math.isfinite(seconds) else 0.0
 
 
 def dask_setup(scheduler: Scheduler) -> None:

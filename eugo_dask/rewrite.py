@@ -191,13 +191,15 @@ def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
 
 class Rewrite(NamedTuple):
     """How a plan becomes a graph: the device that runs GPU tasks, the worker resource they
-    ask for, the token that names the settings (it goes into every key eugo writes), and the
-    user's own annotations of the original keys (type -> key -> value)."""
+    ask for, the token that names the settings (it goes into every key eugo writes), the
+    user's own annotations of the original keys (type -> key -> value), and the resources the
+    user asked of every task (``dask.annotate(resources=...)`` around ``compute``)."""
 
     device: str
     resource: str
     token: str
     carried: dict[str, dict[Key, Any]]
+    resources: dict[str, Any] = {}
 
 
 class Rewritten(NamedTuple):
@@ -280,6 +282,11 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     carried = _carried(how.carried, renames, origin) if how.carried else {}
     executed = {d.key: (prefixed_key(d.key, GPU_PREFIX, token) if d.device == GPU
                         else renames.get(d.key, d.key)) for d in plan}
+    if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
+        user = carried.setdefault("resources", {})
+        for key, entry in roles.items():
+            if entry[0] in DEVICE_ROLES:
+                user[key] = {**how.resources, **(user.get(key) or {})}
     return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), executed)
 
 

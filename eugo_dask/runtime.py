@@ -9,19 +9,28 @@ The rewrite (:mod:`eugo_dask.rewrite`) builds three kinds of tasks from these ca
   CPU consumer or an output needs NumPy.
 
 Each carries its CPU path. Where the device is not usable in this process (a worker without CuPy
-or a GPU) everything passes host arrays through and the original function runs on the CPU. Where
-the device fails inside a task (out of memory, CUDA runtime error, a function that refuses device
-arrays) the task re-runs its CPU path on host copies of its inputs, the fallback is counted and
-logged once per task prefix, and the result is the same.
+or a GPU, or whose own ``eugo.device`` says no) everything passes host arrays through and the
+original function runs on the CPU. Where the device fails inside a task (out of memory, CUDA
+runtime error, a function that refuses device arrays, a chunk type a device cannot hold) the task
+re-runs its CPU path on host copies of its inputs. Every GPU task reports what it did: it ran on
+the device or on the CPU, and why (Fine Performance Metrics ``eugo-ran-on-device``,
+``eugo-ran-on-cpu`` and ``eugo-fallback-<category>`` per task prefix, and the bytes each copy
+moved); the scheduler plugin counts from those reports, not from the plan. A fallback is also
+logged once per task prefix and reported to the scheduler once per prefix and reason.
+
+A device array arriving from another worker lands on this process's device where it can, and as
+the host array it carried where it cannot (no device here, or no room): receiving never fails a
+task.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from dask._task_spec import DataNode, Task
@@ -29,7 +38,7 @@ from dask.utils import funcname
 
 from eugo_dask.config import emulated_memory_limit, process_device
 from eugo_dask.devices import CupyDevice, Device, _stats, cupy_device_count, import_cupy
-from eugo_dask.emulated import EmulatedDevice, set_rebuild_device
+from eugo_dask.emulated import EmulatedDevice, EmulatedDeviceArray, set_rebuild_device, set_receive
 from eugo_dask.graph import Fused, fused
 from eugo_dask.ops import device_dtype_ok
 
@@ -87,16 +96,39 @@ set_rebuild_device(_emulated_device)
 
 
 def usable_device(name: str) -> Device | None:
-    """The device a task planned for ``name`` may use in this process, or None.
+    """The device a task planned for ``name`` may use in this process, or None
+    (:func:`why_no_device` says why).
 
     The process's own ``eugo.device`` decides: a worker set to ``none`` never uses a device; the
     emulated device runs only where ``eugo.device`` is ``emulated`` (a CPU worker does not
-    pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device.
+    pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device. An invalid setting on
+    this worker uses no device (and is reported where the worker starts).
     """
-    local = process_device()
+    try:
+        local = process_device()
+    except ValueError:
+        return None
     if local == "none" or (name == "emulated") != (local == "emulated"):
         return None
     return get_device(name)
+
+
+def why_no_device(name: str) -> str:
+    """Why a task planned for device ``name`` finds none in this process (for its fallback
+    reason and the worker's warning)."""
+    try:
+        local = process_device()
+    except ValueError as e:
+        return f"invalid setting: {e}"
+    if local == "none":
+        return "eugo.device is 'none' on this worker"
+    if name == "emulated" and local != "emulated":
+        return f"planned for the emulated device; this worker's eugo.device is {local!r}"
+    if name != "emulated" and local == "emulated":
+        return f"planned for {name}; this worker's eugo.device is 'emulated'"
+    if get_device(name) is None:
+        return "no CUDA device CuPy can use on this worker"
+    return f"no {name} device"
 
 
 _meter = None
@@ -121,13 +153,35 @@ def _metered_copy(label: str, copy: Callable[[Any], Any], value: Any, nbytes: in
     return out
 
 
-def _report_fallback(prefix: str, reason: str) -> None:
+#: Activities GPU tasks report (with unit "tasks"): what ran where. A fallback also reports
+#: ``eugo-fallback-<category>``, one of :data:`FALLBACK_CATEGORIES`.
+RAN_ON_DEVICE, RAN_ON_CPU = "eugo-ran-on-device", "eugo-ran-on-cpu"
+FallbackCategory = Literal["device-error", "unsupported", "no-device", "host-chunk"]
+FALLBACK_CATEGORIES: tuple[FallbackCategory, ...] = (
+    "device-error", "unsupported", "no-device", "host-chunk")
+_REASON_WORDS: dict[FallbackCategory, str] = {
+    "device-error": "device error", "unsupported": "unsupported on device",
+    "no-device": "no device", "host-chunk": "host-only chunk"}
+_reported: set[tuple[str, str]] = set()
+
+
+def _ran(where: str) -> None:
+    """Report one GPU task's outcome (a Fine Performance Metric the scheduler aggregates per
+    task prefix; a no-op outside a distributed worker)."""
+    _context_meter().digest_metric(where, 1, "tasks")
+
+
+def _report_fallback(prefix: str, category: FallbackCategory, reason: str) -> None:
+    _context_meter().digest_metric(f"eugo-fallback-{category}", 1, "tasks")
+    if (prefix, reason) in _reported:  # the reason once per prefix; the counts above
+        return
     try:
         from distributed import get_worker
 
         worker = get_worker()
     except (ImportError, ValueError):  # not inside a distributed worker
         return
+    _reported.add((prefix, reason))
     worker.log_event(EVENT_TOPIC, {"fallback": reason, "prefix": prefix})
 
 
@@ -170,13 +224,39 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
     return convert
 
 
-def _device_to_host(device: Device) -> Callable[[Any], Any]:
-    def convert(value: Any) -> Any:
-        if device.is_device_array(value):
-            return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
-        return value
+def _device_of(value: Any) -> Device | None:
+    """The device ``value`` lives on, or None for anything else (a host array, a scalar)."""
+    if isinstance(value, EmulatedDeviceArray):
+        return value._device
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(value, cupy.ndarray):
+        return get_device("cupy")
+    return None
 
-    return convert
+
+def _to_host(value: Any) -> Any:
+    """A device array as a host array (counted); anything else as it is."""
+    device = _device_of(value)
+    if device is None:
+        return value
+    return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+
+
+def _host_only_chunk(value: Any) -> str | None:
+    """The type name of a chunk no device holds (a masked or other ndarray subclass, a sparse
+    matrix), or None: tasks with one run their CPU path (and say so)."""
+    found: list[str] = []
+
+    def check(v: Any) -> Any:
+        if isinstance(v, np.ndarray) and type(v) is not np.ndarray:
+            found.append(type(v).__name__)
+        elif (not isinstance(v, np.ndarray) and hasattr(v, "__array_function__")
+              and hasattr(v, "shape") and _device_of(v) is None):
+            found.append(type(v).__name__)
+        return v
+
+    _map_arrays(value, check)
+    return found[0] if found else None
 
 
 class ZeroDimensionalResult(TypeError):
@@ -212,11 +292,61 @@ def to_device(value: Any, device_name: str) -> Any:
 
 
 def to_host(value: Any, device_name: str) -> Any:
-    """Device->host transfer task: every device array in ``value`` comes back as NumPy."""
-    device = get_device(device_name)  # a device array here must come back, whatever the setting
+    """Device->host transfer task: every device array in ``value`` comes back as NumPy
+    (whatever device it is on, and whatever this worker's own setting)."""
+    return _map_arrays(value, _to_host)
+
+
+def _receive(data: np.ndarray) -> Any:
+    """An emulated device array arriving from another process: on this process's device where
+    it may use one and has room, else the host array it carried."""
+    device = usable_device("emulated")
     if device is None:
-        return value
-    return _map_arrays(value, _device_to_host(device))
+        return data
+    try:
+        assert isinstance(device, EmulatedDevice)
+        return device.wrap(data)
+    except MemoryError:
+        _stats.add_fallback("device error on receive: out of memory")
+        return data
+
+
+set_receive(_receive)
+
+
+def install_receive_fallback() -> bool:
+    """Make a CuPy array arriving from another worker land as a host array where this worker
+    cannot hold it (no usable GPU, or out of device memory), instead of failing inside
+    deserialisation. Needs CuPy importable here; returns whether it was installed."""
+    try:
+        cupy = import_cupy()  # no GPU needed to import it
+        from distributed.protocol.serialize import dask_deserialize
+    except ImportError:
+        return False
+    original = dask_deserialize.dispatch(cupy.ndarray)
+    if getattr(original, "_eugo_receive", False):
+        return True
+
+    def receive(header: dict[str, Any], frames: list[Any]) -> Any:
+        if usable_device("cupy") is not None:
+            try:
+                return original(header, frames)
+            except MemoryError:  # cupy's OutOfMemoryError is one
+                _stats.add_fallback("device error on receive: out of memory")
+        return _host_from_cupy_frames(header, frames)
+
+    receive._eugo_receive = True  # type: ignore[attr-defined]
+    dask_deserialize.register(cupy.ndarray)(receive)
+    return True
+
+
+def _host_from_cupy_frames(header: dict[str, Any], frames: list[Any]) -> np.ndarray:
+    """What distributed's CuPy serializer sends (one host frame of the array's bytes, with its
+    ``__cuda_array_interface__`` in the header), as a NumPy array."""
+    raw = np.frombuffer(frames[0], dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(
+        raw.view(np.dtype(header["typestr"])), shape=tuple(header["shape"]),
+        strides=tuple(header["strides"]) if header.get("strides") else None).copy()
 
 
 class OnDevice:
@@ -287,9 +417,17 @@ class DeviceCall:
         return f"DeviceCall({funcname(self.func)}, {self.device_name!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device = None if self.cpu_only else usable_device(self.device_name)
-        if device is None or _cpu_path_active():
-            return self._run_cpu_path(None, args, kwargs)
+        if _cpu_path_active():  # inside another task's CPU path: that task reported itself
+            return self._cpu_path(args, kwargs)
+        if self.cpu_only:  # re-routed by the scheduler: the CPU path is the plan now
+            _ran(RAN_ON_CPU)
+            return self._cpu_path(args, kwargs)
+        device = usable_device(self.device_name)
+        if device is None:
+            return self._fall_back("no-device", why_no_device(self.device_name), args, kwargs)
+        host_only = _host_only_chunk((args, kwargs))
+        if host_only is not None:
+            return self._fall_back("host-chunk", host_only, args, kwargs)
         try:
             convert = _host_to_device(device)
             args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
@@ -297,33 +435,44 @@ class DeviceCall:
                 result = self.func(*args, **kwargs)
             _check_no_0d(result, device)
         except Exception as exc:
-            return self._fall_back(device, exc, args, kwargs)
+            category: FallbackCategory = ("device-error" if device.is_device_error(exc)
+                                          else "unsupported")
+            return self._fall_back(category, type(exc).__name__, args, kwargs, exc)
+        host_only = _host_only_chunk(result)
+        if host_only is not None:  # it ran on host chunks after all (one embedded in the task)
+            reason = f"{_REASON_WORDS['host-chunk']}: {host_only}"
+            _stats.add_fallback(reason)
+            _report_fallback(self.prefix, "host-chunk", reason)
+            _ran(RAN_ON_CPU)
+            return result
         _stats.add(tasks=1)
+        _ran(RAN_ON_DEVICE)
         return result
 
-    def _fall_back(self, device: Device, exc: Exception, args: tuple, kwargs: dict) -> Any:
-        reason = "device error" if device.is_device_error(exc) else "unsupported on device"
-        reason = f"{reason}: {type(exc).__name__}"
+    def _fall_back(self, category: FallbackCategory, detail: str, args: tuple, kwargs: dict,
+                   exc: Exception | None = None) -> Any:
+        reason = f"{_REASON_WORDS[category]}: {detail}"
         _stats.add_fallback(reason)
-        _report_fallback(self.prefix, reason)
+        _report_fallback(self.prefix, category, reason)
         if self.prefix not in _logged_prefixes:
             _logged_prefixes.add(self.prefix)
             logger.warning(
-                "eugo: %s tasks fell back to the CPU (%s: %s); later fallbacks of this prefix "
+                "eugo: %s tasks fell back to the CPU (%s%s); later fallbacks of this prefix "
                 "are logged at DEBUG on %s",
                 self.prefix,
                 reason,
-                exc,
+                f": {exc}" if exc is not None else "",
                 _task_logger.name,
             )
         else:
             _task_logger.debug("%s fell back to the CPU: %s", self.prefix, reason)
-        return self._run_cpu_path(device, args, kwargs)
+        _ran(RAN_ON_CPU)
+        return self._cpu_path(args, kwargs)
 
-    def _run_cpu_path(self, device: Device | None, args: tuple, kwargs: dict) -> Any:
-        if device is not None:
-            convert = _device_to_host(device)
-            args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
+    def _cpu_path(self, args: tuple, kwargs: dict) -> Any:
+        # inputs may be device arrays (a fallback after the copies, or a re-routed task whose
+        # inputs were made on a device): the CPU path reads host copies
+        args, kwargs = _map_arrays(args, _to_host), _map_arrays(kwargs, _to_host)
         with _cpu_path():
             return self.func(*args, **kwargs)
 

@@ -71,9 +71,10 @@ class ProcessCluster:
 
 @contextlib.contextmanager
 def process_cluster(log_dir: Path, *, workers: dict[str, dict], preload_plugin: bool = True,
-                    wait_for: int | None = None) -> Iterator[tuple[ProcessCluster, Client]]:
-    """Start a scheduler (``--preload eugo_dask.plugin`` unless told otherwise) and workers
-    (name -> add_worker options), and yield a connected client."""
+                    wait_for: int | None = None, scheduler_env: dict[str, str] | None = None,
+                    ) -> Iterator[tuple[ProcessCluster, Client]]:
+    """Start a scheduler (``--preload eugo_dask.plugin`` unless told otherwise; environment
+    ``scheduler_env``) and workers (name -> add_worker options), and yield a connected client."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
     # tests define array-likes the processes must unpickle
@@ -85,7 +86,7 @@ def process_cluster(log_dir: Path, *, workers: dict[str, dict], preload_plugin: 
                 ":0", "--no-show"]
         if preload_plugin:
             args += ["--preload", "eugo_dask.plugin"]
-        cluster._start("scheduler", args, {})
+        cluster._start("scheduler", args, scheduler_env or {})
         for name, options in workers.items():
             cluster.add_worker(name, **options)
         client = None

@@ -53,7 +53,7 @@ def test_defaults_registered():
         ("eugo.device-memory-fraction", 0, r"eugo.device-memory-fraction must be a number > 0 and <= 1; got 0"),
         ("eugo.device-memory-fraction", 1.5, r"eugo.device-memory-fraction must be a number > 0 and <= 1"),
         ("eugo.resource", "", r"eugo.resource must be a non-empty worker resource name"),
-        ("eugo.emulated.memory-limit", "lots", r"eugo.emulated.memory-limit must be a byte count"),
+        ("eugo.emulated.memory-limit", "lots", r"eugo.emulated.memory-limit must be a positive byte count or a size like .16 GiB.; got .lots."),
     ],
 )
 def test_bad_settings_raise_clear_errors(key, value, match):

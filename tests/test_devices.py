@@ -77,6 +77,30 @@ def test_pickled_device_array_arrives_on_device():
 
     dev = get_device("emulated")
     x = dev.to_device(np.arange(3.0))
-    y = pickle.loads(pickle.dumps(x))
+    with dask.config.set({"eugo.device": "emulated"}):  # a process that holds device arrays
+        y = pickle.loads(pickle.dumps(x))
     assert isinstance(y, EmulatedDeviceArray)
     np.testing.assert_array_equal(y.get(), np.arange(3.0))
+
+
+@pytest.mark.parametrize("setting", ["none", "auto"])
+def test_device_array_arrives_as_host_array_where_no_device(setting):
+    # a CPU worker (or a retiring GPU worker's peer) receives what the device array carried
+    import pickle
+
+    x = get_device("emulated").to_device(np.arange(3.0))
+    with dask.config.set({"eugo.device": setting}):
+        y = pickle.loads(pickle.dumps(x))
+    assert type(y) is np.ndarray
+    np.testing.assert_array_equal(y, np.arange(3.0))
+
+
+def test_device_array_arrives_as_host_array_when_the_device_is_full():
+    import pickle
+
+    x = get_device("emulated").to_device(np.arange(1000.0))
+    reset_device_stats()
+    with dask.config.set({"eugo.device": "emulated", "eugo.emulated.memory-limit": 100}):
+        y = pickle.loads(pickle.dumps(x))
+    assert type(y) is np.ndarray and y.sum() == np.arange(1000.0).sum()
+    assert device_stats()["fallback_reasons"] == {"device error on receive: out of memory": 1}

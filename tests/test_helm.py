@@ -313,7 +313,7 @@ def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
             "values": ["cpu-worker", "gpu-worker"]} in workers["podSelector"]["matchExpressions"]
     assert workers["ingress"][0] == {"from": [release, notebooks]}
     # every pod of the release carries the label the policy admits
-    for pod_name, pod in pod_specs(docs).items():
+    for pod_name in pod_specs(docs):
         (d,) = [d for d in docs if d["metadata"]["name"] == pod_name and d["kind"] in ("Deployment", "Job", "Pod")]
         labels = d["metadata"]["labels"] if d["kind"] == "Pod" else d["spec"]["template"]["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "demo"
@@ -586,7 +586,7 @@ def launched(values: dict, tmp_path: Path, rewrites: dict[str, str]) -> Iterator
             logs_text = "\n".join(p.read_text() for p in tmp_path.glob("*.log"))
             assert result.returncode == 0, result.stdout + result.stderr + logs_text
             assert "connected to" in result.stdout and result.stdout.strip().endswith("ok")
-            on_gpu = int(re.search(r"eugo: (\d+) tasks ran on GPU workers", result.stdout).group(1))
+            on_gpu = int(re.search(r"eugo: (\d+) tasks ran on a GPU, as the workers report", result.stdout).group(1))
             assert on_gpu > 0
             return result.stdout
 

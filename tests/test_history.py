@@ -111,3 +111,23 @@ def test_scheduler_plugin_learns_from_worker_timings(tmp_path):
     history = get_history(path)
     assert len(history) > 0
     assert any(op == "matmul" for op, _, _ in history._samples)
+
+
+@pytest.mark.parametrize("seconds", [-0.5, float("nan"), float("inf")])
+def test_impossible_durations_are_rejected(seconds):
+    # a negative duration would make the GPU look free and send everything there
+    h = RuntimeHistory(min_samples=1)
+    h.record("matmul", "gpu", NBYTES, 0.01)  # warm-up
+    h.record("matmul", "gpu", NBYTES, 0.01)
+    assert h.record("matmul", "gpu", NBYTES, seconds) is False
+    assert h.rejected == 1
+    assert h.estimate("matmul", "gpu", NBYTES) == pytest.approx(0.01)
+
+
+def test_impossible_durations_in_a_file_are_dropped(tmp_path, caplog):
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps({"version": 1, "buckets": [
+        {"op": "matmul", "device": "gpu", "bucket": 23, "s_per_byte": [1e-9, -1e-9, "NaN"] * 3}]}))
+    h = RuntimeHistory(path, min_samples=3)
+    assert "ignoring 6 negative or non-finite durations" in caplog.text
+    assert h.estimate("matmul", "gpu", NBYTES) == pytest.approx(1e-9 * NBYTES)

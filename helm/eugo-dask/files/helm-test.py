@@ -5,6 +5,7 @@ eugo.profile at auto)."""
 
 import os
 import sys
+import time
 
 import dask
 import dask.array as da
@@ -32,12 +33,19 @@ with Client(address, timeout=timeout) as client:
         result = (np.tanh(x @ x.T) + 1).sum(axis=0).compute()
     np.testing.assert_allclose(result, expected, rtol=1e-6)
     if gpu:
-        summary = client.run_on_scheduler(
-            lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
-        on_gpu = sum(summary["tasks"].get("gpu", {}).values())
-        print(f"eugo: {on_gpu} tasks ran on GPU workers")
+        # workers report what their GPU tasks did with their heartbeats: wait for the reports
+        deadline = time.monotonic() + 60
+        while True:
+            summary = client.run_on_scheduler(
+                lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+            on_gpu = sum(summary["tasks"].get("gpu", {}).values())
+            if on_gpu or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        print(f"eugo: {on_gpu} tasks ran on a GPU, as the workers report")
         if not on_gpu:
-            sys.exit("no GPU-planned task ran on a GPU worker")
+            problems = {**summary["workers_without_device"], **summary["invalid_settings"]}
+            sys.exit(f"no GPU task ran on a device; workers report: {problems or 'nothing'}")
         profile = summary["plans"][-1]["profile"]
         print(f"eugo: the scheduler planned with profile {profile}")
         if expected_profile and profile != expected_profile:

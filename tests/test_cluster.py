@@ -1,0 +1,366 @@
+"""Cluster truth, on separate-process clusters (``dask scheduler``, ``dask worker``): counts from
+what workers ran, nothing that hangs, root tasks still queued, user annotations kept, a plugin
+registered from a client equal to the preload, bad settings reported where they are made, and
+input from clients or workers that cannot poison the scheduler's counters.
+
+Every wait has a timeout: a hang is a failure, never a stuck CI."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+from distributed import span
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+import eugo_dask
+from eugo_dask.plugin import MAX_PREFIXES, EugoSchedulerPlugin
+
+from .cluster import process_cluster
+from .test_plugin import (
+    EXPECTED,
+    SETTINGS,
+    pipeline,
+    placements,
+    plugin_summary,
+    worker_stats,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def wait_until(predicate, timeout=30, every=0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def gpu_tasks_reported(client):
+    """GPU tasks the workers report having run, on the device and on their CPU path."""
+    tasks = plugin_summary(client)["tasks"]
+    return (sum(tasks.get("gpu", {}).values()),
+            sum(n for p, n in tasks.get("cpu", {}).items() if p.startswith("eugo-gpu")))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Counts from what ran
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpu_worker_device", ["emulated", "none"])
+def test_gpu_counts_are_what_the_workers_did(tmp_path, gpu_worker_device):
+    workers = {"gpu": {"gpu": True, "env": {"DASK_EUGO__DEVICE": gpu_worker_device}},
+               "cpu": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            assert_eq(pipeline().compute(), EXPECTED)
+        planned = [k for k, role, _ in placements(client) if role == "gpu"]
+        assert planned
+        reported = wait_until(lambda: sum(gpu_tasks_reported(client)) >= len(planned) and
+                              gpu_tasks_reported(client))
+        on_device, on_cpu = reported
+        stats = worker_stats(client)
+        summary = plugin_summary(client)
+        assert on_device == stats["gpu"]["tasks"] and on_device + on_cpu == len(planned)
+        assert summary["bytes_h2d"] == stats["gpu"]["h2d_bytes"]
+        if gpu_worker_device == "emulated":
+            assert on_device == len(planned) and summary["fallbacks"] == {}
+            assert summary["workers_without_device"] == {}
+        else:  # a GPU worker that cannot use a device: nothing counted as GPU work, and said
+            assert on_device == 0 and summary["bytes_h2d"] == 0
+            assert summary["fallbacks"] == {"no-device": len(planned)}
+            (reason,) = summary["workers_without_device"].values()
+            assert reason == "eugo.device is 'none' on this worker"
+            assert any("cannot use a device" in w for w in summary["warnings"])
+            assert "cannot use a device" in cluster.logs()
+            port = client.scheduler_info()["services"]["dashboard"]
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+            assert b"eugo_gpu_workers_without_device 1.0" in text
+
+
+def test_masked_chunks_stay_on_the_host_and_count_there(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    data = np.ma.masked_greater(np.arange(400.0).reshape(20, 20), 300)
+    x = np.exp(da.from_array(data, chunks=10) / 100)
+    with dask.config.set(SETTINGS):
+        plan = eugo_dask.explain(x)
+    assert not plan.gpu_keys  # no device holds a masked chunk
+    assert any("chunks of type numpy.ma.MaskedArray stay on the host" in d.reason for d in plan)
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            result = x.compute()
+        assert_eq(result, np.exp(data / 100))
+        assert not [k for k, role, _ in placements(client) if role == "gpu"]
+        assert not plugin_summary(client)["tasks"].get("gpu")
+        assert all(s["tasks"] == 0 for s in worker_stats(client).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. register_plugin is the preload
+# ---------------------------------------------------------------------------------------------
+def test_register_plugin_equals_the_preload(tmp_path):
+    workers = {"gpu": {"gpu": True, "env": {"DASK_EUGO__DEVICE": "emulated"}}, "cpu": {}}
+    with process_cluster(tmp_path, workers=workers, preload_plugin=False) as (cluster, client):
+        client.register_plugin(EugoSchedulerPlugin())
+        # auto: planned for the cluster's GPU workers although this client has no GPU
+        with dask.config.set({**SETTINGS, "eugo.device": "auto"}):
+            assert_eq(pipeline().compute(), EXPECTED)
+        assert {w for _, role, w in placements(client) if role == "gpu"} == {"gpu"}
+        port = client.scheduler_info()["services"]["dashboard"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        assert b"eugo_tasks_total" in text and b"eugo_pass_errors_total" in text
+        # the worker plugin came with it: each worker says what it can use
+        devices = client.run(lambda dask_worker: (dask_worker.name, dask_worker.eugo_device))
+        assert sorted(devices.values(), key=str) == [("cpu", None), ("gpu", "emulated")]
+        # cupy on a scheduler without CuPy: planned for the workers, no ImportError
+        with dask.config.set({**SETTINGS, "eugo.device": "cupy"}):
+            assert_eq(pipeline().compute(), EXPECTED)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Nothing hangs
+# ---------------------------------------------------------------------------------------------
+def test_retiring_the_gpu_worker_mid_computation(tmp_path):
+    workers = {"gpu": {"gpu": True, "nthreads": 2}, "cpu-1": {}, "cpu-2": {}}
+    a = da.random.default_rng(5).random((3000, 3000), chunks=(100, 3000))
+    x = np.exp(np.sin(a) ** 2) * 2
+    y = x.sum(axis=1)
+    with dask.config.set(optimizations=[]):
+        expected = y.compute(scheduler="sync")
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            (persisted,) = dask.persist(x)  # device results pile up on the GPU worker
+        wait_until(lambda: sum(1 for _, role, w in placements(client) if role == "gpu") > 5,
+                   every=0.01)
+        address = next(a for a, w in client.scheduler_info()["workers"].items()
+                       if w["name"] == "gpu")
+        client.retire_workers([address])  # its results move to the CPU workers as host arrays
+        wait_until(lambda: len(client.scheduler_info()["workers"]) == 2)
+        assert len(client.scheduler_info()["workers"]) == 2
+        with dask.config.set(SETTINGS):
+            assert_eq(persisted.sum(axis=1).compute(), expected)
+
+
+def test_same_collection_plain_and_with_eugo_at_once(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    y = da.random.RandomState(0).random((2000, 2000), chunks=500).rechunk((250, 2000)).sum(axis=1)
+    with dask.config.set(optimizations=[]):
+        expected = y.compute(scheduler="sync")
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        for _ in range(4):
+            plain = client.compute(y)
+            plain.result(timeout=30)  # held: its keys stay on the scheduler
+            with dask.config.set({**SETTINGS, "eugo.min-speedup": 0}):
+                assert_eq(client.compute(y).result(timeout=30), expected)
+            with dask.config.set({**SETTINGS, "eugo.min-speedup": 0, "eugo.profile": "t4"}):
+                assert_eq(client.compute(y).result(timeout=30), expected)
+            del plain
+        assert "Detected different `run_spec`" not in cluster.logs()
+
+
+def test_device_out_of_memory_while_receiving(tmp_path):
+    workers = {"gpu-1": {"gpu": True},
+               "gpu-2": {"gpu": True, "env": {"DASK_EUGO__EMULATED__MEMORY_LIMIT": "1000"}}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            assert_eq(client.compute(pipeline()).result(timeout=60), EXPECTED)
+
+
+@pytest.mark.parametrize("case", ["resource-mismatch", "no-plugin-no-gpu-worker"])
+def test_unsatisfiable_resource_request_is_never_made(tmp_path, case):
+    if case == "resource-mismatch":  # the client asks for "gpu", the workers offer "GPU"
+        workers, preload, settings = {"gpu": {"gpu": True}, "cpu": {}}, True, {"eugo.resource": "gpu"}
+    else:
+        workers, preload, settings = {"cpu-1": {}, "cpu-2": {}}, False, {}
+    with process_cluster(tmp_path, workers=workers, preload_plugin=preload) as (cluster, client):
+        with dask.config.set({**SETTINGS, **settings}):
+            assert_eq(client.compute(pipeline()).result(timeout=30), EXPECTED)
+        events = wait_until(lambda: client.get_events("eugo"))
+        resource = settings.get("eugo.resource", "GPU")
+        assert any(f"no worker advertises the resource {resource!r}" in e[1].get("warning", "")
+                   for e in events)
+        assert f"no worker advertises the resource {resource!r}" in cluster.logs()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Root tasks stay queued
+# ---------------------------------------------------------------------------------------------
+class _Lazy:
+    """A zarr/h5py-like array read through ``getter``."""
+
+    def __init__(self, shape):
+        self.shape, self.dtype, self.ndim = shape, np.dtype("f4"), len(shape)
+
+    def __getitem__(self, index):
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape))
+        return np.full(shape, 0.5, dtype="f4")
+
+
+def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    x = da.from_array(_Lazy((6000, 6000)), chunks=300)  # 400 reads
+    y = np.exp(np.sin(x)).sum()
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            future = client.compute(y)
+
+        def reads():
+            return client.run_on_scheduler(lambda dask_scheduler: [
+                (ts.state, dask_scheduler.is_rootish(ts), bool(ts.worker_restrictions),
+                 bool(ts.resource_restrictions), ts.run_spec.data_producer)
+                for ts in dask_scheduler.tasks.values() if ts.prefix.name == "array"])
+
+        seen = wait_until(lambda: [r for r in reads() if r[0] == "queued"], timeout=30, every=0.05)
+        assert seen, "no read was ever queued"
+        assert all(root and not restricted and not resources and producer
+                   for _, root, restricted, resources, producer in reads())
+        assert float(future.result(timeout=120)) == pytest.approx(
+            6000 * 6000 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Bad settings
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key, value, message", [
+    ("eugo.min-speedup", "abc", "eugo.min-speedup must be a number >= 0; got 'abc'"),
+    ("eugo.emulated.memory-limit", None,
+     "eugo.emulated.memory-limit must be a positive byte count or a size like '16 GiB'; got None"),
+    ("eugo.device", "gpu", "eugo.device must be one of ['auto', 'cupy', 'emulated', 'none']"),
+])
+def test_bad_client_setting_is_reported_before_submission(tmp_path, key, value, message):
+    with process_cluster(tmp_path, workers={"cpu": {}}) as (cluster, client):
+        with dask.config.set({**SETTINGS, key: value}):
+            with pytest.raises(ValueError) as info:
+                client.compute(pipeline())
+        assert message in str(info.value)
+        assert client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)) == 0
+
+
+def test_bad_worker_setting_is_reported_where_the_worker_starts(tmp_path):
+    workers = {"gpu": {"gpu": True, "env": {"DASK_EUGO__DEVICE": "gpu"}}, "cpu": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        summary = wait_until(lambda: plugin_summary(client)["invalid_settings"] and
+                             plugin_summary(client))
+        (problem,) = summary["invalid_settings"].values()
+        assert problem == ("eugo.device must be one of ['auto', 'cupy', 'emulated', 'none']; "
+                           "got 'gpu'")
+        assert "eugo.device must be one of" in cluster.logs()
+        with dask.config.set(SETTINGS):  # its GPU tasks run their CPU path, and say why
+            assert_eq(pipeline().compute(), EXPECTED)
+        assert wait_until(lambda: plugin_summary(client)["fallbacks"].get("no-device"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Untrusted input
+# ---------------------------------------------------------------------------------------------
+def test_spoofed_events_do_not_reach_the_counters(tmp_path):
+    with process_cluster(tmp_path, workers={"cpu": {}}) as (cluster, client):
+        for i in range(3 * MAX_PREFIXES):
+            client.log_event("eugo", {"fallback": f"pwned-{i}", "prefix": f"p{i}"})
+        client.log_event("eugo", {"fallback": "device error: X" * 100, "prefix": "p"})
+        client.log_event("eugo", {"no-device": "fake", "worker": "tcp://10.0.0.1:1"})
+        client.log_event("eugo", "not a dict")
+        for i in range(500):
+            client.log_event("eugo", {"warning": f"w{i}"})
+        summary = wait_until(lambda: len(plugin_summary(client)["warnings"]) >= 100 and
+                             plugin_summary(client))
+        assert summary["fallback_reasons"] == {} and summary["workers_without_device"] == {}
+        assert len(summary["warnings"]) == 100
+        port = client.scheduler_info()["services"]["dashboard"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        assert b"pwned" not in text
+
+
+def test_scheduler_writes_history_only_where_its_own_settings_say(tmp_path):
+    own = tmp_path / "scheduler-history.json"
+    clients = tmp_path / "client-history.json"
+    workers = {"gpu": {"gpu": True}}
+    with process_cluster(tmp_path, workers=workers,
+                         scheduler_env={"DASK_EUGO__HISTORY": str(own)}) as (cluster, client):
+        with dask.config.set({**SETTINGS, "eugo.learn": True, "eugo.history": str(clients)}):
+            for _ in range(3):
+                assert_eq(pipeline().compute(), EXPECTED)
+        client.run_on_scheduler(lambda dask_scheduler: eugo_dask.history.save_all())
+    assert own.exists() and not clients.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The user's annotations are kept
+# ---------------------------------------------------------------------------------------------
+class CountAnnotation(SchedulerPlugin):
+    name = "count-annotation"
+
+    def __init__(self):
+        self.seen = {}
+
+    def update_graph(self, scheduler, *, annotations=None, **kwargs):
+        for kind, values in (annotations or {}).items():
+            self.seen[kind] = self.seen.get(kind, 0) + len(values)
+
+
+def _annotation_counts(client, compute):
+    client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[
+        "count-annotation"].seen.clear())
+    compute()
+    return client.run_on_scheduler(lambda dask_scheduler: dict(
+        dask_scheduler.plugins["count-annotation"].seen))
+
+
+@pytest.mark.parametrize("when", ["built", "computed"])
+def test_user_annotations_survive_the_rewrite(tmp_path, when):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    # Dask's own fusion drops annotations made when a collection is built; a scheduler that
+    # turns fusion off keeps them, and eugo must keep them as well
+    no_fusion = {"DASK_OPTIMIZATION__FUSE__ACTIVE": "False"}
+    with process_cluster(tmp_path, workers=workers, scheduler_env=no_fusion) as (cluster, client):
+        client.register_plugin(CountAnnotation())
+        counts = {}
+        for mode, settings in (("plain", {"optimizations": []}), ("eugo", SETTINGS)):
+            with dask.config.set({**settings, "optimization.fuse.active": False}):
+                if when == "built":
+                    with dask.annotate(mytag="a", priority=2):
+                        x = np.exp(da.ones((10, 10), chunks=2))  # 25 chunks
+                    compute = (x + 1).compute
+                else:
+                    x = np.exp(da.ones((10, 10), chunks=2))
+
+                    def compute(x=x):
+                        with dask.annotate(mytag="a", priority=2):
+                            return (x + 1).compute()
+                counts[mode] = _annotation_counts(client, compute)
+        assert counts["plain"]["mytag"] >= 25
+        # every task eugo writes keeps the annotations of the task it came from
+        assert counts["eugo"]["mytag"] >= counts["plain"]["mytag"]
+
+
+def test_spans_keep_their_tasks(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        a = da.random.default_rng(0).random((400, 400), chunks=100)
+        with dask.config.set(SETTINGS):
+            with span("p1"):
+                (a @ a).sum().compute()
+            with span("p2"):
+                np.exp(a).sum().compute()
+
+        def spans(dask_scheduler):
+            ext = dask_scheduler.extensions["spans"]
+            out = {}
+            for (name, *_), found in ext.spans_search_by_name.items():
+                for sp in found:
+                    entry = out.setdefault(name, {"tasks": 0, "prefixes": set()})
+                    entry["tasks"] += sum(sp.states.values())
+                    entry["prefixes"] |= {tg.prefix.name for tg in sp.traverse_groups()}
+            return out
+
+        found = client.run_on_scheduler(spans)
+        for name in ("p1", "p2"):  # each workflow's tasks, eugo's among them, in its span
+            assert found[name]["tasks"] > 0
+            assert any(p.startswith("eugo-gpu") for p in found[name]["prefixes"]), found[name]
+        assert not any(p.startswith("eugo") for p in found.get("default", {}).get("prefixes", ()))
