@@ -78,6 +78,18 @@ class ChunkInfo:
                     chunk_types[name] = chunk_type
         return cls(layers, chunk_types)
 
+    @classmethod
+    def from_expression(cls, expr: Any) -> ChunkInfo:
+        """Chunk specs of an array expression's layers (``array.query-planning: True``), read
+        from its lowered nodes (their ``_name``, ``chunks`` and ``dtype``)."""
+        layers = {}
+        for node in expr.lower_completely().walk():
+            try:
+                layers[node._name] = (tuple(tuple(c) for c in node.chunks), np.dtype(node.dtype))
+            except (AttributeError, TypeError, NotImplementedError, ValueError):
+                continue
+        return cls(layers)
+
     def merge(self, other: ChunkInfo) -> ChunkInfo:
         return ChunkInfo({**self._layers, **other._layers},
                          {**self._chunk_types, **other._chunk_types})

@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 
 import numpy as np
 from dask.utils import methodcaller as dask_methodcaller
+from toolz import curry as _curry
 
 #: Where a task runs.
 Placement = Literal["cpu", "gpu"]
@@ -145,6 +146,7 @@ def _known_functions() -> dict[Any, tuple[Family, str]]:
     def add(family: Family, *funcs: Any, name: str | None = None) -> None:
         for func in funcs:
             if func is not None:
+                func = _unwrap(func)  # a toolz.curry is known by the function it curries
                 table[func] = (family, str(name or getattr(func, "__name__", type(func).__name__)))
 
     def numpy(*names: str) -> list[Any]:
@@ -224,6 +226,13 @@ def _classify_cached(func: Any) -> tuple[Family, str]:
     return UNKNOWN, name
 
 
+def _unwrap(func: Any) -> Any:
+    """The function under ``functools.partial`` and ``toolz.curry`` wrappers."""
+    while isinstance(func, (functools.partial, _curry)):
+        func = func.func
+    return func
+
+
 def _method_name(caller: Any) -> str:
     """The method a ``methodcaller`` calls (operator's keeps it behind ``__reduce__``)."""
     name = getattr(caller, "method", None)  # dask.utils.methodcaller
@@ -256,8 +265,7 @@ def classify_func(func: Any) -> tuple[Family, str]:
     >>> classify_func(np.sin)
     ('elementwise', 'sin')
     """
-    while isinstance(func, functools.partial):
-        func = func.func
+    func = _unwrap(func)
     first, funcs = getattr(func, "first", None), getattr(func, "funcs", None)
     if callable(first) and isinstance(funcs, tuple):  # toolz.compose, as dask reductions use
         families = [classify_func(f) for f in (first, *funcs)]

@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -400,11 +401,39 @@ def install_bridge() -> None:
     dask.config.update_defaults({"array_optimize": bridge})
 
 
+def _is_array_expression(collection: Any) -> bool:
+    from dask._expr import Expr
+
+    return isinstance(getattr(collection, "expr", None), Expr)
+
+
+_ARRAY_EXPRESSIONS_OFF = (
+    "eugo-dask: dask.array runs in array-expression mode (array.query-planning: True), where "
+    "Dask 2026.8 applies no graph optimizer that eugo could hook into: with "
+    "optimizations=[eugo] these graphs run unchanged on the CPU. eugo_dask.explain() still "
+    "shows what eugo would do; set array.query-planning: False (the default) before importing "
+    "dask.array to use it.")
+
+
+def warn_if_array_expressions() -> bool:
+    """Warn, once per process, where dask.array runs in array-expression mode (eugo cannot
+    place those graphs). Returns whether it warned."""
+    import dask.array as da
+
+    enabled = getattr(da, "_array_expr_enabled", lambda: False)
+    if not enabled():
+        return False
+    warnings.warn(_ARRAY_EXPRESSIONS_OFF, RuntimeWarning, stacklevel=3)
+    return True
+
+
 def explain(collection: Any, **settings: Any) -> Plan:
     """The placement eugo would make for ``collection``'s tasks, with reasons and estimates.
 
     Works without a GPU: with ``eugo.device`` ``none`` or ``auto`` on a machine without one, the
     plan shows what would go where under ``eugo.profile`` (the graph itself would run unchanged).
+    So it does for an array expression (``array.query-planning: True``), which eugo cannot
+    rewrite.
 
     Parameters
     ----------
@@ -429,7 +458,12 @@ def explain(collection: Any, **settings: Any) -> Plan:
         current = Settings(**{**current.to_dict(), "device": device})
     graph = collection.__dask_graph__()
     keys = collection.__dask_keys__()
-    chunks = ChunkInfo.from_graph(graph)
+    expression = _is_array_expression(collection)
+    if expression:  # what eugo would do; the graph itself runs unchanged (see module docs)
+        chunks = ChunkInfo.from_expression(collection.expr)
+        current = Settings(**{**current.to_dict(), "device": "none"})
+    else:
+        chunks = ChunkInfo.from_graph(graph)
     optimized = task_spec_dict(dask_array_optimize(graph, keys))
     described = _split_and_describe(optimized, keys, chunks, current, _profile(current))
     plan = described.place(current)

@@ -28,7 +28,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
 from eugo_dask.graph import Graph, Key, alias_targets, fused
-from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_func, device_dtype_ok
+from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 from eugo_dask.unfuse import task_families
@@ -178,7 +178,7 @@ def is_inner_source(node: GraphNode) -> bool:
     if isinstance(node, DataNode):
         value = node.value
         return isinstance(value, np.ndarray) and value.ndim > 0 and device_dtype_ok(value.dtype)
-    return type(node) is Task and classify_func(node.func)[0] in SOURCE_FAMILIES
+    return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
 def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -166,20 +167,33 @@ _reported: set[tuple[str, str]] = set()
 
 
 def _ran(where: str) -> None:
-    """Report one GPU task's outcome (a Fine Performance Metric the scheduler aggregates per
-    task prefix; a no-op outside a distributed worker)."""
+    """Report one GPU task's outcome: a Fine Performance Metric the scheduler aggregates per
+    task prefix, and a count on the worker that ran it (``worker.eugo_ran``, which tells
+    workers apart where several share a process, as in ``gen_cluster``)."""
     _context_meter().digest_metric(where, 1, "tasks")
+    worker = _current_worker()
+    if worker is not None:
+        ran = getattr(worker, "eugo_ran", None)
+        if ran is None:
+            ran = worker.eugo_ran = Counter()
+        ran[where] += 1
+
+
+def _current_worker() -> Any:
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except (ImportError, ValueError):  # not inside a distributed worker
+        return None
 
 
 def _report_fallback(prefix: str, category: FallbackCategory, reason: str) -> None:
     _context_meter().digest_metric(f"eugo-fallback-{category}", 1, "tasks")
     if (prefix, reason) in _reported:  # the reason once per prefix; the counts above
         return
-    try:
-        from distributed import get_worker
-
-        worker = get_worker()
-    except (ImportError, ValueError):  # not inside a distributed worker
+    worker = _current_worker()
+    if worker is None:
         return
     _reported.add((prefix, reason))
     worker.log_event(EVENT_TOPIC, {"fallback": reason, "prefix": prefix})

@@ -76,20 +76,23 @@ def _one(spec: ArraySpec) -> np.ndarray:
     return np.ones((), dtype=spec.dtype)
 
 
-def _merged_kwargs(func: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``functools.partial`` keywords merged under the task's own."""
-    merged: dict[str, Any] = {}
+def _unwrapped(func: Any, args: Sequence[Operand], kwargs: dict[str, Any]
+               ) -> tuple[Any, list[Operand], dict[str, Any]]:
+    """The function under ``functools.partial`` and ``toolz.curry`` wrappers, with their bound
+    arguments put in front of the task's and their keywords under the task's own."""
+    args, merged = list(args), dict(kwargs)
     while hasattr(func, "func") and hasattr(func, "keywords") and hasattr(func, "args"):
-        merged = {**func.keywords, **merged}
+        args = [*func.args, *args]
+        merged = {**(func.keywords or {}), **merged}
         func = func.func
-    return func, {**merged, **kwargs}
+    return func, args, merged
 
 
 def infer_step(family: Family, name: str, func: Any, args: Sequence[Operand],
                kwargs: dict[str, Any]) -> StepShape:
     """The output spec (and FLOPs, for contractions and FFTs) of ``func(*args, **kwargs)``
     where array operands are :class:`ArraySpec` (or :data:`UNKNOWN_ARRAY`)."""
-    base, kwargs = _merged_kwargs(func, kwargs)
+    base, args, kwargs = _unwrapped(func, args, kwargs)
     decomposition = _DECOMPOSITIONS.get(base)
     if decomposition is not None:  # linear algebra on the host: what it hands on is known
         try:

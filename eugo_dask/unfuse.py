@@ -15,7 +15,7 @@ from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.base import tokenize
 
 from eugo_dask.graph import ChunkInfo, Fused, Key, fused
-from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_func
+from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node
 
 
 def task_families(node: GraphNode) -> set[Family]:
@@ -25,7 +25,7 @@ def task_families(node: GraphNode) -> set[Family]:
         return set().union(*map(task_families, parts.inner.values()))
     if type(node) is not Task:
         return set()
-    return {classify_func(node.func)[0]}
+    return {classify_node(node)[0]}
 
 
 def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key, GraphNode]:
@@ -85,7 +85,7 @@ def _read_template(parts: Fused) -> ReadTemplate | None:
     arguments) and its inner graph without them."""
     inkeys = set(parts.inkeys)
     reads = [k for k, n in parts.inner.items()
-             if type(n) is Task and classify_func(n.func)[0] == IO and n.dependencies <= inkeys]
+             if type(n) is Task and classify_node(n)[0] == IO and n.dependencies <= inkeys]
     if not reads:
         return None
     return ReadTemplate(reads, {k: n for k, n in parts.inner.items() if k not in reads})

@@ -168,3 +168,88 @@ def test_learning_with_unknown_chunk_sizes(emulated, tmp_path):
     with dask.config.set({"eugo.learn": True, "eugo.history": str(tmp_path / "h.json")}):
         result = (x[:, mask] * 2).compute(scheduler="sync")
     np.testing.assert_array_equal(result, np.arange(16.0).reshape(4, 4)[:, 2:] * 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reproductions: each changed a result, a type, or failed, before the conformance work
+# ---------------------------------------------------------------------------------------------
+def _x20x10():
+    return da.from_array(np.random.default_rng(3).random((20, 10)), chunks=10)
+
+
+LINALG = {
+    "tsqr-svd-dot": lambda: (lambda u, s, vh: da.dot(u.T, u))(*da.linalg.tsqr(_x20x10(), compute_svd=True)),
+    "qr": lambda: da.linalg.qr(_x20x10())[0] @ da.ones((10, 3), chunks=3),
+    "svd": lambda: da.linalg.svd(_x20x10())[1] * 2,
+    "svd_compressed": lambda: da.linalg.svd_compressed(_x20x10(), k=3, seed=0)[1] + 1,
+    "lu": lambda: da.linalg.lu(da.from_array(np.random.default_rng(4).random((12, 12)), chunks=6))[2].sum(),
+}
+
+
+@pytest.mark.parametrize("min_speedup", [0, 2])
+@pytest.mark.parametrize("name", sorted(LINALG))
+def test_linear_algebra_pipelines(name, min_speedup, emulated):
+    from eugo_dask.optimization import pass_stats
+
+    with dask.config.set(optimizations=[]):
+        expected = LINALG[name]().compute(scheduler="sync")
+    errors = pass_stats()["pass_errors"]
+    with dask.config.set({"eugo.min-speedup": min_speedup}):
+        result = LINALG[name]().compute(scheduler="sync")
+    assert pass_stats()["pass_errors"] == errors  # the pass understood the graph
+    assert type(result) is type(expected)
+    assert_eq(result, expected)
+
+
+def clip(block, lo, hi):
+    """A user's function that happens to be called clip, and is not NumPy's."""
+    if isinstance(block, np.ndarray):
+        return np.clip(block, lo, hi)
+    return block * 0
+
+
+@pytest.mark.parametrize("name", ["clip", "sum", "where", "copy", "mean"])
+def test_user_functions_named_like_numpy_stay_on_the_cpu(name, emulated):
+    func = type(clip)(clip.__code__, clip.__globals__, name)  # the same body, any name
+    x = da.from_array(X, chunks=20).map_blocks(func, 0.2, 0.8, dtype=X.dtype)
+    result = x.compute(scheduler="sync")
+    np.testing.assert_array_equal(result, np.clip(X, 0.2, 0.8))
+    assert eugo_dask.device_stats()["tasks"] == 0
+    assert any(f"unknown function {name}" in d.reason for d in eugo_dask.explain(x))
+
+
+@pytest.mark.parametrize("build, kind", [
+    (lambda: da.squeeze(da.from_array(np.full((1,), 2), chunks=1)), np.ndarray),
+    (lambda: da.from_array(X, chunks=20).sum(0) @ da.from_array(V[:40], chunks=20), np.ndarray),
+    (lambda: (da.from_array(X, chunks=20) * 2)[1, 1], np.float64),
+], ids=["squeeze", "sum-matmul", "index"])
+def test_zero_d_results_keep_their_type(build, kind, emulated):
+    with dask.config.set(optimizations=[]):
+        expected = build().compute(scheduler="sync")
+    result = build().compute(scheduler="sync")
+    assert type(expected) is kind and type(result) is kind
+    assert np.ndim(result) == np.ndim(expected) == 0 and result == expected
+
+
+def test_data_producers_keep_their_flag(emulated):
+    from dask.base import collections_to_expr
+
+    x = da.from_array(np.arange(64).reshape(8, 8), chunks=4).astype("f8")
+    with dask.config.set(optimizations=[]):
+        plain = collections_to_expr([x]).__dask_graph__()
+    ours = collections_to_expr([x]).__dask_graph__()
+    assert sum(v.data_producer for v in plain.values()) == 4
+    assert sum(v.data_producer for v in ours.values()) == 4
+    assert any(str(k[0]).startswith("eugo-gpu") for k in ours)  # the producers moved there
+
+
+def test_one_chunk_read_is_split_from_its_compute(emulated):
+    data = (np.random.default_rng(5).random((64, 64)) + 1j).astype("c8")
+    x = da.fft.fft2(da.from_array(_LazyArray(data), chunks=-1))
+    with dask.config.set({"eugo.min-speedup": 2, "eugo.profile": "h200"}):
+        plan = eugo_dask.explain(x, min_speedup=0)
+    by_op = {d.op: d for d in plan}
+    assert by_op["io"].device == "cpu" and by_op["fft"].device == "gpu"
+    result = x.compute(scheduler="sync")
+    np.testing.assert_allclose(result, np.fft.fft2(data), rtol=1e-4, atol=1e-3)
+    assert eugo_dask.device_stats()["tasks"] == 1

@@ -1,0 +1,143 @@
+"""The pass as a whole: fail-safe, the bridge's copy and pickle semantics, array expressions."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+import urllib.request
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+
+import eugo_dask
+from eugo_dask import eugo
+from eugo_dask import optimization as optimization_module
+from eugo_dask.optimization import pass_stats
+
+from .conftest import H200_SERVER
+
+A = np.random.default_rng(7).random((200, 200))
+
+
+def pipeline():
+    x = da.from_array(A, chunks=100)
+    return (x @ x + 1).sum()
+
+
+@pytest.fixture
+def broken_describe(monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure in describe")
+
+    monkeypatch.setattr(optimization_module, "describe_graph", fail)
+    monkeypatch.setitem(optimization_module._pass_stats, "errors_logged", 0)
+
+
+def test_a_failing_pass_runs_the_graph_unchanged(emulated, broken_describe, caplog):
+    with dask.config.set(optimizations=[]):
+        expected = pipeline().compute(scheduler="sync")
+    before = pass_stats()["pass_errors"]
+    with caplog.at_level(logging.ERROR, logger="eugo_dask.optimization"):
+        for _ in range(3):
+            assert_eq(pipeline().compute(scheduler="sync"), expected)
+    assert pass_stats()["pass_errors"] == before + 3
+    assert eugo_dask.device_stats()["tasks"] == 0  # ran unchanged, on the CPU
+    logged = [r for r in caplog.records if "the pass failed" in r.getMessage()]
+    assert len(logged) == 1 and "injected failure in describe" in caplog.text  # with traceback
+    assert logged[0].exc_info is not None
+
+
+def test_bad_settings_are_never_swallowed(emulated, broken_describe):
+    with dask.config.set({"eugo.min-speedup": -1}):
+        with pytest.raises(ValueError, match="eugo.min-speedup must be a number >= 0; got -1"):
+            pipeline().compute(scheduler="sync")
+    with dask.config.set({"eugo.profile": "h300"}):
+        with pytest.raises(ValueError, match="got 'h300'"):
+            pipeline().compute(scheduler="sync")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_pass_errors_on_the_schedulers_metrics(broken_describe):
+    from distributed import Client, LocalCluster
+
+    from eugo_dask.plugin import EugoSchedulerPlugin
+
+    with LocalCluster(n_workers=1, processes=False, resources={"GPU": 1},
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(EugoSchedulerPlugin())
+        before = pass_stats()["pass_errors"]
+        settings = {"optimizations": [eugo], "eugo.device": "emulated", "eugo.min-speedup": 0,
+                    "eugo.profile": H200_SERVER}
+        with dask.config.set(settings):
+            assert_eq(pipeline().compute(), (A @ A + 1).sum())
+        port = client.scheduler_info()["services"]["dashboard"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    line = next(x for x in text.splitlines() if x.startswith("eugo_pass_errors_total"))
+    assert float(line.split()[-1]) == before + 1 >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies of Dask's config (distributed.utils_test's reset_config, apps that save settings)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def restorable_config():
+    saved = copy.deepcopy(dask.config.config)
+    yield
+    dask.config.config.clear()
+    dask.config.config.update(saved)
+
+
+def _device_tasks(settings):
+    eugo_dask.reset_device_stats()
+    with dask.config.set(settings):
+        pipeline().compute(scheduler="sync")
+    return eugo_dask.device_stats()["tasks"]
+
+
+def test_a_copy_taken_with_eugo_off_still_turns_on(restorable_config):
+    snapshot = copy.deepcopy(dask.config.config)
+    dask.config.config.clear()
+    dask.config.config.update(copy.deepcopy(snapshot))
+    assert _device_tasks({"optimizations": [eugo], "eugo.device": "emulated",
+                          "eugo.min-speedup": 0}) > 0
+
+
+def test_a_copy_taken_with_eugo_on_still_turns_off(restorable_config):
+    with dask.config.set({"optimizations": [eugo], "eugo.device": "emulated",
+                          "eugo.min-speedup": 0}):
+        snapshot = copy.deepcopy(dask.config.config)
+    dask.config.config.clear()
+    dask.config.config.update(copy.deepcopy(snapshot))
+    assert _device_tasks({"optimizations": [], "eugo.device": "emulated",
+                          "eugo.min-speedup": 0}) == 0
+    assert dask.config.get("array_optimize") is eugo_dask.bridge
+    assert copy.copy(eugo_dask.bridge) is eugo_dask.bridge
+
+
+# ---------------------------------------------------------------------------------------------
+# Array expressions (array.query-planning: True)
+# ---------------------------------------------------------------------------------------------
+def test_array_expressions_say_eugo_is_off_and_explain_still_works():
+    code = (
+        "import warnings, dask, dask.array as da, numpy as np\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import eugo_dask\n"
+        "print([str(w.message)[:60] for w in caught if w.category is RuntimeWarning])\n"
+        "x = da.from_array(np.ones((4000, 4000)), chunks=2000)\n"
+        "plan = eugo_dask.explain(np.exp(np.sin(x)).sum(),"
+        " profile={'base': 'h200', 'cpu': 'server-x86'})\n"
+        "print(plan.device, len(plan.gpu_keys))\n"
+    )
+    env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0] == "['eugo-dask: dask.array runs in array-expression mode (array.q']"
+    assert out[1] == "None 4"  # what eugo would do, with the graph run unchanged

@@ -1,0 +1,49 @@
+"""eugo_dask.testing: users' own gen_cluster and LocalCluster tests with eugo on."""
+
+from __future__ import annotations
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+from distributed.utils_test import gen_cluster
+
+from eugo_dask.testing import (
+    cpu_path_tasks,
+    cpu_worker,
+    device_tasks,
+    emulated_gpu_cluster,
+    emulated_settings,
+    gpu_worker,
+)
+
+A = np.random.default_rng(9).random((400, 300))
+
+
+def pipeline():
+    x = da.from_array(A, chunks=100)
+    return (np.exp(x / 4) @ x.T).sum(axis=0)
+
+
+EXPECTED = (np.exp(A / 4) @ A.T).sum(axis=0)
+
+
+@gen_cluster(client=True, nthreads=[gpu_worker(), cpu_worker()], config=emulated_settings())
+async def test_gen_cluster_with_reset_config_runs_eugo(c, s, gpu, cpu):
+    # gen_cluster deep-copied Dask's config (reset_config) before this test: eugo must be on
+    result = await c.compute(pipeline())
+    assert_eq(result, EXPECTED)
+    assert device_tasks(gpu) > 0 and cpu_path_tasks(gpu) == 0
+    assert device_tasks(cpu) == 0 and cpu_path_tasks(cpu) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_local_cluster_with_an_emulated_gpu_worker():
+    with emulated_gpu_cluster(cpu_workers=2) as client:
+        assert_eq(client.compute(pipeline()).result(timeout=60), EXPECTED)
+        counts = client.run(lambda dask_worker: (dask_worker.name, device_tasks(dask_worker)))
+        by_name = dict(counts.values())
+        assert by_name["gpu"] > 0 and by_name["cpu-0"] == by_name["cpu-1"] == 0
+    assert not dask.config.get("optimizations", None)  # the settings were for the cluster only
