@@ -313,7 +313,7 @@ def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
             "values": ["cpu-worker", "gpu-worker"]} in workers["podSelector"]["matchExpressions"]
     assert workers["ingress"][0] == {"from": [release, notebooks]}
     # every pod of the release carries the label the policy admits
-    for pod_name, pod in pod_specs(docs).items():
+    for pod_name in pod_specs(docs):
         (d,) = [d for d in docs if d["metadata"]["name"] == pod_name and d["kind"] in ("Deployment", "Job", "Pod")]
         labels = d["metadata"]["labels"] if d["kind"] == "Pod" else d["spec"]["template"]["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "demo"

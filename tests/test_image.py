@@ -8,8 +8,8 @@ import re
 import shutil
 import subprocess
 import sys
-from importlib.metadata import version
 from collections.abc import Iterable
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
