@@ -1,18 +1,108 @@
-"""Shared by the benchmarks: timing, the devices available here, and the naive all-GPU baseline."""
+"""Shared by the benchmarks: one command line, BLAS threads pinned, timing, the devices available
+here, and the naive all-GPU baseline.
+
+Every benchmark takes ``--quick`` (small sizes: a few seconds, at most about 30 s on a 2-core
+machine; what the tests run); without it, the real sizes.
+
+Import this module before anything that imports NumPy (``import _common`` sorts first among the
+third-party imports). It pins BLAS to one thread per process through ``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS``, which a BLAS library reads once, when it loads:
+the setting distributed's nanny gives every worker (``distributed.nanny.pre-spawn-environ``).
+Without it each of Dask's threads runs a BLAS that starts a thread per core, and on 2 cores
+that oversubscription made one on/off comparison read 2.7x where reruns read 1.02x. A variable
+already set in the environment is kept. :func:`parse_args` prints which BLAS ran and with how
+many threads, so every result says what it measured.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ctypes
+import gc
+import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-import dask
-import numpy as np
+BLAS_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
-import eugo_dask
-from eugo_dask.devices import cupy_device_count
+if "numpy" in sys.modules:
+    raise RuntimeError("import _common before NumPy (and Dask): it pins BLAS threads through the "
+                       "environment, which BLAS reads once, when NumPy loads it")
+for _variable in BLAS_THREAD_VARIABLES:
+    os.environ.setdefault(_variable, "1")
+
+import dask  # noqa: E402
+import numpy as np  # noqa: E402
+
+import eugo_dask  # noqa: E402
+from eugo_dask.devices import cupy_device_count  # noqa: E402
 
 NOT_MEASURED = "not measured"
+QUICK_HELP = "small sizes: seconds, at most ~30 s on 2 cores (what the tests run)"
+
+
+def benchmark_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The benchmarks' common command line: the docstring's first line, and ``--quick``."""
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
+    return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line, then print the mode and the BLAS that runs."""
+    args = parser.parse_args(argv)
+    print(f"mode: {'quick' if args.quick else 'full'}; {describe_blas()}", flush=True)
+    return args
+
+
+def _loaded_libraries(fragment: str) -> list[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:  # not Linux: the environment variables are what we can report
+        return []
+    return sorted(p for p in paths if fragment in os.path.basename(p).lower())
+
+
+def _openblas_call(name: str) -> Any:
+    """Call an OpenBLAS query (``get_num_threads``, ``get_corename``) in the loaded library,
+    whatever prefix and suffix its build gave the symbols (NumPy's wheels: ``scipy_…64_``)."""
+    for path in _loaded_libraries("openblas"):
+        library = ctypes.CDLL(path)
+        for symbol in (f"openblas_{name}", f"scipy_openblas_{name}64_", f"openblas_{name}64_"):
+            function = getattr(library, symbol, None)
+            if function is not None:
+                if name == "get_corename":
+                    function.restype = ctypes.c_char_p
+                    return function().decode()
+                return function()
+    return None
+
+
+def describe_blas() -> str:
+    """Which BLAS NumPy runs, with how many threads (asked of OpenBLAS itself where it is the
+    one), and Dask's thread count."""
+    from dask.system import CPU_COUNT
+
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        name = f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except (TypeError, KeyError):
+        name = "unknown BLAS"
+    threads = _openblas_call("get_num_threads")
+    pinned = ", ".join(f"{v}={os.environ[v]}" for v in BLAS_THREAD_VARIABLES)
+    text = (f"BLAS: {name}, {threads if threads is not None else '? (not OpenBLAS)'} thread(s) "
+            f"({pinned})")
+    core = _openblas_call("get_corename")
+    if core:
+        text += f", kernel {core}"
+    if os.environ.get("OPENBLAS_CORETYPE"):
+        text += (f" forced by OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']} (this machine's "
+                 "setting; unset it and OPENBLAS_L2_SIZE in the command for NumPy's own choice)")
+    return f"{text}; Dask threads: {CPU_COUNT}"
 
 
 def best_of(fn: Callable[[], Any], repeat: int = 3) -> float:
@@ -23,6 +113,22 @@ def best_of(fn: Callable[[], Any], repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def side_by_side(runs: dict[str, Callable[[], Any]], *, repeat: int = 3,
+                 summary: Callable[[list[float]], float] = min) -> dict[str, float]:
+    """Wall times of the ``runs`` measured side by side: ``repeat`` rounds, each timing every run
+    once, the order rotated from round to round so that all see the same machine noise and none
+    always goes first; ``summary`` (best by default, or ``statistics.median``) of each's times."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeat):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            gc.collect()
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: summary(samples) for name, samples in times.items()}
 
 
 def has_gpu() -> bool:
@@ -61,5 +167,6 @@ def fmt(value: Any) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-__all__ = ["NOT_MEASURED", "best_of", "compute_eugo", "compute_plain", "eugo_settings", "fmt",
-           "has_gpu", "naive_all_gpu", "np"]
+__all__ = ["NOT_MEASURED", "benchmark_parser", "best_of", "compute_eugo", "compute_plain",
+           "describe_blas", "eugo_settings", "fmt", "has_gpu", "naive_all_gpu", "np", "parse_args",
+           "side_by_side"]

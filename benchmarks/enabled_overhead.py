@@ -5,16 +5,16 @@ is the bridge's own work (reading settings, chunk shapes). This times the same c
 ``optimizations=[eugo]`` and with it off, interleaved, many times, and prints the ratio of the
 medians (goal <= 1.02).
 
-    python benchmarks/enabled_overhead.py           # full
-    python benchmarks/enabled_overhead.py --quick   # CI
+    python benchmarks/enabled_overhead.py           # 2048² arrays, 15 rounds
+    python benchmarks/enabled_overhead.py --quick   # 512² arrays, 5 rounds
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
+from functools import partial
 
+import _common
 import dask
 import dask.array as da
 import numpy as np
@@ -32,31 +32,25 @@ def workloads(scale: int):
     }
 
 
-def timed(build, enabled: bool) -> float:
-    settings = {"optimizations": [eugo_dask.eugo] if enabled else []}
-    with dask.config.set(settings):
-        start = time.perf_counter()
+def compute(build, enabled: bool) -> None:
+    with dask.config.set({"optimizations": [eugo_dask.eugo] if enabled else []}):
         build().compute(scheduler="threads")
-        return time.perf_counter() - start
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = _common.parse_args(_common.benchmark_parser(__doc__))
     scale, rounds = (512, 5) if args.quick else (2048, 15)
     assert eugo_dask.read_settings().resolved().device == "none", "run this on a CPU-only machine"
     print(f"{'workload':<20} {'off s':>8} {'on s':>8} {'on/off':>7}")
     ratios = []
     for name, build in workloads(scale).items():
-        timed(build, True), timed(build, False)  # warm-up (imports, CPU profile)
-        off, on = [], []
-        for i in range(rounds):  # interleaved, alternating which goes first
-            for enabled in ((True, False) if i % 2 else (False, True)):
-                (on if enabled else off).append(timed(build, enabled))
-        ratio = statistics.median(on) / statistics.median(off)
+        compute(build, True), compute(build, False)  # warm-up (imports, CPU profile)
+        seconds = _common.side_by_side({"off": partial(compute, build, False),
+                                        "on": partial(compute, build, True)},
+                                       repeat=rounds, summary=statistics.median)
+        ratio = seconds["on"] / seconds["off"]
         ratios.append(ratio)
-        print(f"{name:<20} {statistics.median(off):>8.3f} {statistics.median(on):>8.3f} {ratio:>7.3f}")
+        print(f"{name:<20} {seconds['off']:>8.3f} {seconds['on']:>8.3f} {ratio:>7.3f}")
     print(f"geometric mean on/off: {float(np.exp(np.mean(np.log(ratios)))):.3f}")
 
 

@@ -5,20 +5,20 @@ all-CPU, eugo (CuPy with a GPU, else the emulated device) and naive all-GPU (CuP
 (b) an FFT low-pass filter over a 2-D field;
 (c) many small chunks (where eugo should offload nothing and cost nothing).
 
-    python benchmarks/mixed_pipelines.py           # larger arrays
-    python benchmarks/mixed_pipelines.py --quick   # CI
+    python benchmarks/mixed_pipelines.py           # 2048² and 1024² arrays
+    python benchmarks/mixed_pipelines.py --quick   # 512² and 256² arrays
 """
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from functools import partial
 from pathlib import Path
 
+import _common
+import dask
 import dask.array as da
 import numpy as np
-from _common import NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has_gpu, naive_all_gpu
 
 import eugo_dask
 
@@ -60,10 +60,9 @@ def small_chunks(n: int):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--profile", default="h200")
-    args = parser.parse_args()
+    parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--profile", default="h200", help="eugo.profile for eugo's choices")
+    args = _common.parse_args(parser)
     scale = 1 if args.quick else 4
     with tempfile.TemporaryDirectory() as tmp:
         pipelines = {
@@ -71,25 +70,27 @@ def main() -> None:
             "(b) FFT low-pass filter": fft_filter(512 * scale, 128 * scale),
             "(c) many small chunks": small_chunks(256 * scale),
         }
-        device = "cupy" if has_gpu() else "emulated device"
+        device = "cupy" if _common.has_gpu() else "emulated device"
         print(f"eugo ran on: {device}; profile for its choices: {args.profile}")
         print(f"{'pipeline':<40} {'tasks on GPU':>13} {'all-CPU':>10} {'eugo':>10} {'eugo/CPU':>9} "
               f"{'naive all-GPU':>14}  copies to / from device")
         for name, build in pipelines.items():
-            import dask
-
             with dask.config.set({"eugo.profile": args.profile}):
                 plan = eugo_dask.explain(build(), device="emulated")
-            expected = compute_plain(build)
+            expected = _common.compute_plain(build)
             eugo_dask.reset_device_stats()
-            result = compute_eugo(build, args.profile)
+            result = _common.compute_eugo(build, args.profile)
             np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
             stats = eugo_dask.device_stats()
-            cpu_s = best_of(partial(compute_plain, build))
-            eugo_s = best_of(partial(compute_eugo, build, args.profile))
-            naive = best_of(partial(naive_all_gpu, build)) if has_gpu() else NOT_MEASURED
-            print(f"{name:<40} {len(plan.gpu_keys):>5} of {len(plan):<5} {fmt(cpu_s):>10} "
-                  f"{fmt(eugo_s):>10} {eugo_s / cpu_s:>9.2f} {fmt(naive):>14}  "
+            runs = {"cpu": partial(_common.compute_plain, build),
+                    "eugo": partial(_common.compute_eugo, build, args.profile)}
+            if _common.has_gpu():
+                runs["naive"] = partial(_common.naive_all_gpu, build)
+            seconds = _common.side_by_side(runs)
+            cpu_s, eugo_s = seconds["cpu"], seconds["eugo"]
+            naive = seconds.get("naive", _common.NOT_MEASURED)
+            print(f"{name:<40} {len(plan.gpu_keys):>5} of {len(plan):<5} {_common.fmt(cpu_s):>10} "
+                  f"{_common.fmt(eugo_s):>10} {eugo_s / cpu_s:>9.2f} {_common.fmt(naive):>14}  "
                   f"{stats['h2d_bytes'] / 1e6:.1f} MB / {stats['d2h_bytes'] / 1e6:.1f} MB")
 
 

@@ -12,16 +12,13 @@ are timed side by side in one run, alternating, best of N:
 Prints tasks, seconds, the ratios to Dask's optimization (goal <= 0.5) and eugo's microseconds
 per task (flat as the graph grows means linear).
 
-    python benchmarks/pass_overhead.py            # up to ~1M tasks
-    python benchmarks/pass_overhead.py --quick    # CI: small graphs
+    python benchmarks/pass_overhead.py            # ~6,000 to ~900,000 tasks
+    python benchmarks/pass_overhead.py --quick    # ~900 and ~6,000 tasks
 """
 
 from __future__ import annotations
 
-import argparse
-import gc
-import time
-
+import _common
 import dask
 import dask.array as da
 import numpy as np
@@ -38,22 +35,11 @@ def pipeline(blocks: int):
     return (np.exp(a @ a.T) + 1).sum(axis=0)
 
 
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        gc.collect()
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(blocks: int, repeat: int) -> dict:
     x = pipeline(blocks)
     graph, keys = x.__dask_graph__(), x.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
     optimized = dask_optimize(graph, keys)
-    times = {"dask": float("inf"), "plan": float("inf"), "rewrite": float("inf")}
     runs = {
         "dask": lambda: dask_optimize(graph, keys),
         # default min-speedup: 8x8 chunks never pay, so eugo plans every task, rewrites none
@@ -61,10 +47,7 @@ def measure(blocks: int, repeat: int) -> dict:
         # min-speedup 0: every device-capable task is rewritten (the worst case)
         "rewrite": lambda: _with_min_speedup_zero(lambda: eugo(optimized, keys, chunk_info=chunks)),
     }
-    for _ in range(repeat):  # alternate, so all see the same machine noise
-        for name, fn in runs.items():
-            times[name] = min(times[name], best_of(fn, 1))
-    return {"tasks": len(optimized), **times}
+    return {"tasks": len(optimized), **_common.side_by_side(runs, repeat=repeat)}
 
 
 def _with_min_speedup_zero(fn):
@@ -73,9 +56,7 @@ def _with_min_speedup_zero(fn):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small graphs (CI)")
-    args = parser.parse_args()
+    args = _common.parse_args(_common.benchmark_parser(__doc__))
     sizes = [8, 16] if args.quick else [16, 24, 48, 64, 88]
     repeat = 2 if args.quick else 3
     settings = {"eugo.device": "emulated", "eugo.profile": {"base": "h200", "cpu": "server-x86"}}

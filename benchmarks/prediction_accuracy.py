@@ -1,21 +1,23 @@
 """How well a calibrated profile predicts CPU time on chunk sizes calibration did not use.
 
-Calibrates (``--quick``) or loads a profile (``--profile PATH``), then for each op family times
-real NumPy calls on sizes outside the calibration's lists and compares them with the cost model's
-prediction for the same op. Prints every case and the median absolute percentage error per family
-(goal <= 25%).
+Calibrates this machine (``eugo-dask calibrate``, quick with ``--quick``) or loads a profile
+(``--profile PATH``), then for each op family times real NumPy calls on sizes outside the
+calibration's lists and compares them with the cost model's prediction for the same op. Prints
+every case and the median absolute percentage error per family (goal <= 25%). Calibration and
+measurements run in this process with the same BLAS threads.
 
-    python benchmarks/prediction_accuracy.py                 # quick calibration first
-    python benchmarks/prediction_accuracy.py --profile p.yaml
+    python benchmarks/prediction_accuracy.py                   # full calibration, best of 15
+    python benchmarks/prediction_accuracy.py --quick           # quick calibration, best of 5
+    python benchmarks/prediction_accuracy.py --profile p.yaml  # a profile calibrated before
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from functools import partial
 
+import _common
 import numpy as np
 
 from eugo_dask.calibrate import calibrate
@@ -54,20 +56,22 @@ def cases():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", help="a calibrated profile (default: calibrate --quick now)")
-    args = parser.parse_args()
+    parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--profile", help="a calibrated profile (default: calibrate this machine now)")
+    args = _common.parse_args(parser)
     if args.profile:
         profile = load_profile(args.profile)
     else:
-        profile = load_profile(calibrate(quick=True, progress=lambda m: print(f"  {m}", file=sys.stderr)))
+        profile = load_profile(calibrate(quick=args.quick,
+                                         progress=lambda m: print(f"  {m}", file=sys.stderr)))
+    repeat = 5 if args.quick else 15
     used = {n for sizes in (QUICK_SIZES, FULL_SIZES) for ns in sizes.values() for n in ns}
     errors: dict[str, list[float]] = {}
     print(f"{'case':<26} {'measured':>10} {'predicted':>10} {'error':>8}")
     for family, label, op, inputs, out, fn in cases():
         size = out.size if family != "reduction" else inputs[0].size
         assert (int(round(size ** 0.5)) if family == "matmul" else size) not in used, label
-        measured = best_seconds(fn, repeat=15)
+        measured = best_seconds(fn, repeat=repeat)
         estimate = estimate_task([Step(op, tuple(inputs), out)], inputs, out, profile)
         predicted = estimate.cpu_s - profile.cpu.task_overhead_s  # a raw call, no Dask dispatch
         error = abs(predicted - measured) / measured

@@ -5,20 +5,19 @@ Each workload is float32, host-resident, one chunk. Without a CUDA device the GP
 naive all-GPU columns say "not measured" (never invented) and eugo runs on the emulated device,
 which shows its choice, its overhead and that the result matches, not GPU speed.
 
-    python benchmarks/seed_table.py                       # the seed's sizes (needs ~12 GB RAM)
-    python benchmarks/seed_table.py --quick               # 1/64 of the big sizes (CI)
+    python benchmarks/seed_table.py                       # the seed's sizes (needs ~18 GB RAM)
+    python benchmarks/seed_table.py --quick               # 1/64 of the big sizes
     python benchmarks/seed_table.py --plot seed_table.png --profile eugo-profile.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+import _common
 import dask
 import dask.array as da
 import numpy as np
-from _common import NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has_gpu, naive_all_gpu
 
 import eugo_dask
 
@@ -65,7 +64,6 @@ def label(text: str, n: int) -> str:
 def measure_row(text: str, kind: str, n: int, profile) -> dict:
     arrays = make_inputs(kind, n)
     row = {"workload": label(text, n)}
-    row["cpu"] = best_of(lambda: apply(kind, arrays))
 
     def build(hook=lambda a: a):
         return apply(kind, [hook(da.from_array(a, chunks=a.shape, name=f"in{i}"))
@@ -76,13 +74,14 @@ def measure_row(text: str, kind: str, n: int, profile) -> dict:
     main = max(plan, key=lambda d: d.cpu_s)
     row["choice"] = main.device
     row["reason"] = main.reason
-    expected = compute_plain(build)
-    row["all_cpu"] = best_of(lambda: compute_plain(build))
+    expected = _common.compute_plain(build)
     eugo_dask.reset_device_stats()
-    result = compute_eugo(build, profile)
+    result = _common.compute_eugo(build, profile)
     np.testing.assert_allclose(result, expected, rtol=1e-3, atol=1e-3)
-    row["eugo"] = best_of(lambda: compute_eugo(build, profile))
-    if has_gpu():
+    runs = {"cpu": lambda: apply(kind, arrays),
+            "all_cpu": lambda: _common.compute_plain(build),
+            "eugo": lambda: _common.compute_eugo(build, profile)}
+    if _common.has_gpu():
         import cupy
 
         sync = cupy.cuda.Device().synchronize
@@ -98,11 +97,12 @@ def measure_row(text: str, kind: str, n: int, profile) -> dict:
             sync()
 
         gpu_compute()
-        row["gpu"] = best_of(gpu_compute)
-        row["transfer"] = max(best_of(transfer) - row["gpu"], 0.0)
-        row["naive_gpu"] = best_of(lambda: naive_all_gpu(build))
+        runs.update(gpu=gpu_compute, with_transfer=transfer, naive_gpu=lambda: _common.naive_all_gpu(build))
+    row.update(_common.side_by_side(runs))
+    if _common.has_gpu():
+        row["transfer"] = max(row.pop("with_transfer") - row["gpu"], 0.0)
     else:
-        row["gpu"] = row["transfer"] = row["naive_gpu"] = NOT_MEASURED
+        row["gpu"] = row["transfer"] = row["naive_gpu"] = _common.NOT_MEASURED
     return row
 
 
@@ -112,11 +112,11 @@ COLUMNS = [("workload", "Workload"), ("cpu", "CPU"), ("gpu", "GPU"), ("transfer"
 
 
 def print_table(rows: list[dict], device: str) -> None:
-    widths = [max(len(title), *(len(fmt(r[k])) for r in rows)) for k, title in COLUMNS]
+    widths = [max(len(title), *(len(_common.fmt(r[k])) for r in rows)) for k, title in COLUMNS]
     print(f"eugo ran on: {device}")
     print("  ".join(title.ljust(w) for (_, title), w in zip(COLUMNS, widths)))
     for r in rows:
-        print("  ".join(fmt(r[k]).ljust(w) for (k, _), w in zip(COLUMNS, widths)))
+        print("  ".join(_common.fmt(r[k]).ljust(w) for (k, _), w in zip(COLUMNS, widths)))
     print()
     for r in rows:
         print(f"{r['workload']}: {r['reason']}")
@@ -148,13 +148,12 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1/64 of the big sizes")
+    parser = _common.benchmark_parser(__doc__)
     parser.add_argument("--profile", default="h200",
                         help="eugo.profile for eugo's choices (default: h200 + this CPU)")
     parser.add_argument("--plot", type=Path, default=Path("seed_table.png"))
-    args = parser.parse_args()
-    device = "cupy" if has_gpu() else "emulated device"
+    args = _common.parse_args(parser)
+    device = "cupy" if _common.has_gpu() else "emulated device"
     rows = [measure_row(text, kind, quick if args.quick else full, args.profile)
             for text, kind, full, quick in ROWS]
     print_table(rows, device)

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import click
 import yaml
@@ -42,24 +44,73 @@ def calibrate(quick: bool, output: Path, gpu_preset: str, threads: int | None) -
     click.echo(f"wrote {output}; use it with dask.config.set({{'eugo.profile': '{output}'}})")
 
 
-def load_object(spec: str):
-    """``path/to/script.py:name`` or ``package.module:name`` -> the object."""
-    target, _, name = spec.rpartition(":")
-    if not target or not name:
-        raise click.BadParameter(f"expected SCRIPT_OR_MODULE:OBJECT; got {spec!r}")
+#: What ``explain``'s TARGET must be; every error about a TARGET ends with it.
+TARGET_FORM = "TARGET must be SCRIPT.py:NAME or package.module:NAME, naming a Dask collection"
+
+
+def _target_error(spec: str, problem: str) -> click.ClickException:
+    return click.ClickException(f"{spec}: {problem}. {TARGET_FORM}")
+
+
+def _load_module(spec: str, target: str) -> ModuleType:
     if target.endswith(".py"):
+        if not Path(target).is_file():
+            raise _target_error(spec, f"no such script {target!r}")
         module_spec = importlib.util.spec_from_file_location("_eugo_explain_target", target)
         if module_spec is None or module_spec.loader is None:
-            raise click.BadParameter(f"cannot load {target!r}")
+            raise _target_error(spec, f"cannot load {target!r} as a Python script")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
+        module_spec.loader.exec_module(module)  # errors in the script are the script's: shown whole
+        return module
     try:
-        return getattr(module, name)
+        found = importlib.util.find_spec(target)
+    except (ImportError, ValueError):  # a parent package missing, or not a module name at all
+        found = None
+    if found is None:
+        raise _target_error(spec, f"no module named {target!r}" + (
+            " (a script must end in .py)" if "/" in target or "\\" in target else ""))
+    return importlib.import_module(target)
+
+
+def load_collection(spec: str) -> Any:
+    """The Dask collection ``spec`` names: ``path/to/script.py:NAME`` or ``package.module:NAME``.
+
+    Raises :class:`click.ClickException` with one line saying what is wrong with ``spec`` and
+    what it must be. Nothing named is called (``dask.array:ones`` is a function that needs a
+    shape, not a collection); only an exception raised by the script or module itself, while it
+    runs, propagates as it is."""
+    from dask.base import is_dask_collection
+
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise _target_error(spec, "no ':NAME' after the script or module" if not target
+                            else "no NAME after ':'")
+    module = _load_module(spec, target)
+    try:
+        obj = getattr(module, name)
     except AttributeError:
-        raise click.BadParameter(f"{target!r} has no object {name!r}") from None
+        raise _target_error(spec, f"{target!r} has no name {name!r}") from None
+    if not is_dask_collection(obj):
+        hint = " (call it in a script and name the result)" if callable(obj) else ""
+        raise _target_error(spec, f"{name!r} is of type {type(obj).__name__}, not a Dask collection{hint}")
+    return obj
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    """Report a bad --profile or --min-speedup as one line naming the setting."""
+    import dask
+
+    from eugo_dask.config import read_settings
+    from eugo_dask.profile import load_profile
+
+    try:
+        with dask.config.set({f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}):
+            read_settings()
+        if "profile" in settings:
+            load_profile(settings["profile"])
+    except ValueError as e:  # ProfileError too: each names the key and what is allowed
+        raise click.ClickException(str(e)) from None
 
 
 @cli.command()
@@ -71,13 +122,12 @@ def load_object(spec: str):
 @click.option("--min-speedup", type=float, default=None, help="eugo.min-speedup for this plan.")
 def explain(target: str, as_json: bool, html_path: Path | None, profile: str | None,
             min_speedup: float | None) -> None:
-    """Print the plan for a collection: TARGET is SCRIPT_OR_MODULE:OBJECT."""
+    """Print the plan for a Dask collection: TARGET is SCRIPT.py:NAME or package.module:NAME."""
     import eugo_dask
 
-    collection = load_object(target)
-    if callable(collection) and not hasattr(collection, "__dask_graph__"):
-        collection = collection()
     settings = {k: v for k, v in (("profile", profile), ("min_speedup", min_speedup)) if v is not None}
+    _check_settings(settings)
+    collection = load_collection(target)
     plan = eugo_dask.explain(collection, **settings)
     if html_path is not None:
         html_path.write_text(plan.to_html())

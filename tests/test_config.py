@@ -13,6 +13,7 @@ import pytest
 
 import eugo_dask
 from eugo_dask.config import _load_yaml, read_settings, schema
+from eugo_dask.profile import ProfileError
 
 
 def _keys(tree, prefix=""):
@@ -67,6 +68,22 @@ def test_bad_setting_fails_compute_not_silently():
     with dask.config.set({"optimizations": [eugo_dask.eugo], "eugo.device": "gpu"}):
         with pytest.raises(ValueError, match="eugo.device must be one of"):
             x.compute(scheduler="sync")
+
+
+@pytest.mark.parametrize("device", ["none", "auto", "emulated"])
+def test_profile_typo_raises_whatever_the_device(device):
+    """``h300`` for ``h200`` is an error even where the device resolves to none and no profile
+    would be loaded: in read_settings, in compute with eugo on, and in explain."""
+    match = (r"eugo.profile must be auto, one of the presets \[.*'h200'.*\], a path to a "
+             r"\.yaml/\.json profile, or a mapping; got 'h300'")
+    x = da.ones(10, chunks=5) + 1
+    with dask.config.set({"eugo.device": device, "eugo.profile": "h300"}):
+        with pytest.raises(ProfileError, match=match):
+            read_settings()
+        with dask.config.set(optimizations=[eugo_dask.eugo]), pytest.raises(ProfileError, match=match):
+            x.compute(scheduler="sync")
+        with pytest.raises(ProfileError, match=match):
+            eugo_dask.explain(x)
 
 
 def test_environment_variables():

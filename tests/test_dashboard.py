@@ -87,7 +87,8 @@ def test_page_navigation_metrics_and_fine_metrics(cluster):
     assert wanted <= activities
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: run `apt-get install chromium` "
+                    "(as root) to run this test; .ci/run does")
 def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
     from playwright.sync_api import sync_playwright
 

@@ -1,84 +1,203 @@
-"""The example and the benchmarks run (quick mode) and print what they promise."""
+"""The README's commands run as written, in quick mode, and print what they promise.
+
+The commands are read from README.md's code blocks, so the README and the scripts cannot drift
+apart: a script the README does not list, a README line naming a script that is gone, a
+quickstart sample that is not what a real run prints, or a ``--quick`` that is not quick fails
+here. ``.ci/run`` installs from a clean checkout with the README's install command and runs these
+with the README's test command (checked below too).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+#: ``--quick`` means a few seconds, at most about 30 s on a 2-core machine. The bound is four
+#: times that, so a busy machine does not fail it; a quick mode that is not quick (211 s was seen)
+#: does.
+QUICK_LIMIT_S = 120
+BLAS_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def run(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True,
-                         text=True, timeout=600, cwd=ROOT)
+def readme_section(heading: str) -> str:
+    """The README text under the heading that starts with ``heading``, to the next heading
+    (a ``#`` line inside a code block is a comment, not a heading)."""
+    lines, inside, fenced = [], False, False
+    for line in README.splitlines(keepends=True):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#+ ", line):
+            if inside:
+                break
+            inside = re.match(rf"#+ {re.escape(heading)}", line) is not None
+            continue
+        if inside:
+            lines.append(line)
+    assert lines, f"README.md has no section {heading!r}"
+    return "".join(lines)
+
+
+def code_blocks(heading: str, language: str) -> list[str]:
+    """The fenced ``language`` blocks of a README section."""
+    return re.findall(rf"^```{language}\n(.*?)^```", readme_section(heading), re.M | re.S)
+
+
+def commands(heading: str) -> list[list[str]]:
+    """Each command line of the section's bash blocks, split as a shell would, comments dropped."""
+    return [argv for block in code_blocks(heading, "bash") for line in block.splitlines()
+            if (argv := shlex.split(line, comments=True))]
+
+
+def script_commands(heading: str) -> dict[str, list[str]]:
+    """``python SCRIPT ARGS`` lines of a section, by script."""
+    found = {}
+    for argv in commands(heading):
+        assert argv[0] == "python", f"{heading}: {shlex.join(argv)} does not start with python"
+        found[argv[1]] = argv[1:]
+    return found
+
+
+def run(argv: list[str], tmp_path: Path) -> str:
+    """Run a README command from the repository root, as the README says, and return stdout.
+
+    The BLAS thread variables are removed from the environment, so that what the benchmarks
+    print about their threads is what their own pinning did."""
+    env = {k: v for k, v in os.environ.items() if k not in BLAS_VARIABLES}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # a first run: nothing measured before
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT, env=env)
+    elapsed = time.perf_counter() - start
     assert out.returncode == 0, out.stderr
+    assert elapsed < QUICK_LIMIT_S, f"{shlex.join(argv)} took {elapsed:.0f} s"
     return out.stdout
 
 
-def test_quickstart():
-    out = run("examples/quickstart.py", "--quick")
-    assert "eugo plan:" in out and "matmul" in out
-    assert "results identical to plain Dask: True" in out
-    assert "0 fallbacks" in out
+BENCHMARKS = script_commands("Benchmarks")
+EXAMPLES = script_commands("Examples")
+SLOW = {"benchmarks/pass_overhead.py", "benchmarks/enabled_overhead.py",
+        "benchmarks/plugin_throughput.py", "benchmarks/prediction_accuracy.py",
+        "examples/heterogeneous_cluster.py", "examples/connect_to_chart.py"}
 
 
-@pytest.mark.slow
-def test_pass_overhead_benchmark():
-    out = run("benchmarks/pass_overhead.py", "--quick")
-    rows = [line.split() for line in out.splitlines()[1:]]
+def params(scripts: dict[str, list[str]]) -> list:
+    return [pytest.param(argv, id=Path(script).stem,
+                         marks=[pytest.mark.slow] if script in SLOW else [])
+            for script, argv in scripts.items()]
+
+
+def test_readme_lists_every_script_and_only_those():
+    assert set(BENCHMARKS) == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")
+                               if not p.name.startswith("_")}
+    assert set(EXAMPLES) == {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")}
+
+
+def test_readme_install_and_test_commands_are_what_ci_runs():
+    install, browser, test = commands("Install and test")
+    assert install[:3] == ["pip", "install", "-e"] and test == ["pytest"]
+    # the browser test's prerequisite, beside the commands, and what CI installs
+    assert browser == ["sudo", "apt-get", "install", "chromium"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    (ci_target,) = re.findall(r"^python -m pip install --quiet -e '(\.\[[^\]]*\])'$", ci, re.M)
+
+    def extras(target: str) -> set[str]:
+        return set(re.fullmatch(r"\.\[(.*)\]", target).group(1).split(","))
+
+    assert extras(install[3]) <= extras(ci_target)
+    assert "\npytest\n" in ci
+    assert "apt-get install -y -q chromium" in ci
+
+
+def test_quickstart_prints_the_readme_sample(tmp_path):
+    """The README's quickstart command, as written, prints the README's sample to the letter:
+    the plan is priced with presets only, so no figure depends on this machine."""
+    (argv,) = commands("Quickstart")
+    assert argv[0] == "python" and "--quick" in argv
+    (sample,) = code_blocks("Quickstart", "text")
+    out = run(argv[1:], tmp_path)
+    assert out == sample
+    assert "results identical to plain Dask: True" in out and "0 fallbacks" in out
+
+
+def check_pass_overhead(out: str) -> None:
+    rows = [line.split() for line in out.splitlines() if line.split()[0].isdigit()]
     assert len(rows) == 2 and all(float(r[3]) > 0 for r in rows)
 
 
-@pytest.mark.slow
-def test_enabled_overhead_benchmark():
-    out = run("benchmarks/enabled_overhead.py", "--quick")
-    assert "geometric mean on/off:" in out
+def check_enabled_overhead(out: str) -> None:
+    assert [line.split()[0] for line in out.splitlines()[2:5]] == ["matmul+sum", "elementwise", "many"]
+    assert float(out.split("geometric mean on/off: ")[1]) > 0
 
 
-@pytest.mark.slow
-def test_plugin_throughput_benchmark():
-    out = run("benchmarks/plugin_throughput.py", "--quick")
-    tasks = int(out.split("tasks per graph: ")[1].split()[0])
-    assert tasks >= 20_000
-    assert "ratio" in out
+def check_plugin_throughput(out: str) -> None:
+    assert int(out.split("tasks per graph: ")[1].split()[0]) >= 2000
+    assert re.search(r"ratio \d+\.\d{3} \(median of 3 runs each, alternating\)", out)
+    assert re.search(r"time in plugin hooks: \d+\.\d+ s of \d+\.\d+ s", out)
 
 
-def test_seed_table_quick(tmp_path):
-    png = tmp_path / "seed.png"
-    out = run("benchmarks/seed_table.py", "--quick", "--plot", str(png))
+def check_seed_table(out: str) -> None:
     rows = [line for line in out.splitlines() if line.startswith(("Matmul", "Elementwise", "FFT", "Sum"))
             and "  " in line]
     assert len(rows) == 6
-    choices = [line.split()[5 if line.startswith(("Matmul", "FFT")) else 4] for line in rows]
     assert "gpu" in out and "cpu" in out
     from eugo_dask.devices import cupy_device_count
 
     if not cupy_device_count():  # never invented: GPU columns say so
         assert all(line.count("not measured") == 3 for line in rows)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len(choices) == 6
 
 
-def test_mixed_pipelines_quick():
-    out = run("benchmarks/mixed_pipelines.py", "--quick")
+def check_mixed_pipelines(out: str) -> None:
     for name in ("(a) zarr", "(b) FFT", "(c) many small chunks"):
         assert name in out
 
 
-@pytest.mark.slow
-def test_prediction_accuracy_runs():
-    out = run("benchmarks/prediction_accuracy.py")
+def check_prediction_accuracy(out: str) -> None:
     assert "median absolute percentage error per family" in out
     families = [line.split()[0] for line in out.splitlines()[-4:]]
     assert families == ["matmul", "elementwise", "fft", "reduction"]
 
 
-@pytest.mark.slow
-def test_heterogeneous_cluster_example():
-    out = run("examples/heterogeneous_cluster.py", "--quick")
+@pytest.mark.parametrize("argv", params(BENCHMARKS))
+def test_benchmark_quick(argv, tmp_path):
+    """Each README benchmark line with ``--quick``: one convention, BLAS pinned and reported."""
+    extra = ["--plot", str(tmp_path / "seed.png")] if argv[0].endswith("seed_table.py") else []
+    out = run([*argv, "--quick", *extra], tmp_path)
+    first = out.splitlines()[0]
+    assert re.fullmatch(r"mode: quick; BLAS: .+, (1|\?) thread\(s\) \(OMP_NUM_THREADS=1, "
+                        r"OPENBLAS_NUM_THREADS=1, MKL_NUM_THREADS=1\).*; Dask threads: \d+", first), first
+    CHECKS[Path(argv[0]).stem](out)
+    if extra:
+        assert (tmp_path / "seed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
+          "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
+          "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy}
+
+
+def test_benchmark_helpers_refuse_to_come_after_numpy():
+    """Pinning BLAS threads through the environment works only before NumPy loads BLAS."""
+    code = "import numpy, sys; sys.path.insert(0, 'benchmarks'); import _common"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "RuntimeError: import _common before NumPy" in out.stderr
+
+
+def check_quickstart(out: str) -> None:
+    assert "eugo plan:" in out and "results identical to plain Dask: True" in out
+
+
+def check_heterogeneous_cluster(out: str) -> None:
     rows = [line.split() for line in out.splitlines() if line.startswith("  ") and len(line.split()) == 3]
     placed = {(role, worker) for role, worker, _ in rows}
     assert ("gpu", "gpu") in placed and not any(r == "gpu" and w != "gpu" for r, w in placed)
@@ -87,12 +206,20 @@ def test_heterogeneous_cluster_example():
     assert "results match plain Dask" in out and "/eugo" in out
 
 
-@pytest.mark.slow
-def test_connect_to_chart_example():
-    out = run("examples/connect_to_chart.py", "--quick")
+def check_connect_to_chart(out: str) -> None:
     assert "eugo plan:" in out and "'eugo-gpu-chunk-sum'" in out
 
 
-def test_zarr_field_pipeline_example():
-    out = run("examples/zarr_field_pipeline.py", "--quick")
+def check_zarr_field_pipeline(out: str) -> None:
     assert "I/O (getter) stays on the CPU" in out and "results match plain Dask" in out
+
+
+CHECKS.update(quickstart=check_quickstart, heterogeneous_cluster=check_heterogeneous_cluster,
+              connect_to_chart=check_connect_to_chart, zarr_field_pipeline=check_zarr_field_pipeline)
+
+
+@pytest.mark.parametrize("argv", params(EXAMPLES))
+def test_example_quick(argv, tmp_path):
+    """Each README example line with ``--quick`` (connect_to_chart: a local stand-in cluster)."""
+    out = run([*argv, "--quick"] if "--quick" not in argv else argv, tmp_path)
+    CHECKS[Path(argv[0]).stem](out)
