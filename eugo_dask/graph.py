@@ -207,7 +207,10 @@ def execution_order(inner: Mapping[Key, GraphNode]) -> list[GraphNode]:
                 order.append(inner[key])
                 continue
             stack.append((key, True))
-            stack.extend((d, False) for d in inner[key].dependencies if d in inner and d not in done)
+            # in a fixed order (a frozenset's order follows string hashing, which varies
+            # between processes): plans and their labels are the same in every process
+            deps = [d for d in inner[key].dependencies if d in inner and d not in done]
+            stack.extend((d, False) for d in sorted(deps, key=repr, reverse=True))
     return order
 
 
