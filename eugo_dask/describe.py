@@ -31,6 +31,7 @@ from eugo_dask.graph import (
     alias_targets,
     execution_order,
     fused,
+    key_name,
     toposort,
 )
 from eugo_dask.history import RuntimeHistory
@@ -122,12 +123,20 @@ def _flat(values: list[Value]) -> list[Value]:
     return out
 
 
+_HASHABLE_AS_IS = (ArraySpec, int, float, str, bool, type(None))
+
+
 def _freeze(value: Any) -> Any:
-    """A hashable stand-in for a literal dependency (getter indexes are tuples of slices)."""
+    """A hashable stand-in for what a dependency holds (getter indexes are tuples of slices);
+    the common cases return at once: this runs for every dependency of every task."""
+    if type(value) in _HASHABLE_AS_IS or value is UNKNOWN_ARRAY:
+        return value
     if isinstance(value, slice):
         return ("slice", value.start, value.stop, value.step)
     if isinstance(value, tuple):
         return tuple(_freeze(v) for v in value)
+    if isinstance(value, list):
+        return ("list", *(_freeze(v) for v in value))
     try:
         hash(value)
     except TypeError:
@@ -162,6 +171,7 @@ class TaskDescriber:
         self._followed: dict[tuple[Any, ...], tuple[tuple[Step, ...], tuple[ArraySpec, ...],
                                                      Value]] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
+        self._results: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
 
     def _structure(self, parts: Fused) -> _Structure:
         # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
@@ -176,25 +186,38 @@ class TaskDescriber:
         """Estimate one task and infer its output chunk's spec. ``inputs``: what each
         dependency holds (a chunk's spec, :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a
         literal such as an array-like a read takes its chunk from). Returns the estimate, the
-        output spec and what the task hands on (its spec, or a tuple of them)."""
+        output spec and what the task hands on (its spec, or a tuple of them).
+
+        Chunks of one layer with the same inputs get the same answer: it is worked out once
+        (the pass runs this for every task of graphs a million tasks large)."""
         parts = fused(node)
-        env: dict[Key, Value] = dict(inputs)
         if parts is not None:
-            structure = self._structure(parts)
-            nodes, outkey = structure.nodes, structure.outkey
-            env = {p: _resolve(d, env) for p, d in zip(parts.inkeys, parts.deps)}
-            follow_key: tuple[Any, ...] = (id(structure), *map(_freeze, env.values()))
+            deps = parts.deps
+            env_values = [inputs.get(d.key, UNKNOWN_ARRAY) if type(d) is TaskRef
+                          else _resolve(d, inputs) for d in deps]
+            follow_key: tuple[Any, ...] = (id(parts.inner), *map(_freeze, env_values))
+            layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
         else:  # one function: its own arguments are all there is to follow
-            nodes, outkey = [(key, node)], key
-            follow_key = (id(node.func), *(_freeze(_resolve(a, env)) for a in node.args),
-                          *((k, _freeze(_resolve(v, env))) for k, v in node.kwargs.items()))
+            follow_key = (id(node.func), *(_freeze(_resolve(a, inputs)) for a in node.args),
+                          *((k, _freeze(_resolve(v, inputs))) for k, v in node.kwargs.items()))
+            layer = key_name(key)
+        result = self._results.get((follow_key, layer))
+        if result is not None:
+            return result
         followed = self._followed.get(follow_key)
         if followed is None:
             steps: list[Step] = []
             embedded: list[ArraySpec] = []
-            _follow(nodes, env, steps, embedded)
-            followed = self._followed[follow_key] = (tuple(steps), tuple(embedded),
-                                                     env.get(outkey))
+            if parts is not None:
+                structure = self._structure(parts)
+                env = dict(zip(parts.inkeys, env_values))
+                _follow(structure.nodes, env, steps, embedded)
+                value = env.get(structure.outkey)
+            else:
+                env = dict(inputs)
+                _follow([(key, node)], env, steps, embedded)
+                value = env.get(key)
+            followed = self._followed[follow_key] = (tuple(steps), tuple(embedded), value)
         steps_t, embedded_t, inferred = followed
         out = self._output_spec(key, parts, inferred)
         known = [v for v in inputs.values() if isinstance(v, ArraySpec)]
@@ -215,7 +238,12 @@ class TaskDescriber:
             if self.history is not None:
                 estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate
-        return estimate, out, out if out is not None else inferred
+        result = (estimate, out, out if out is not None else inferred)
+        if isinstance(inferred, ArraySpec):
+            # the result follows from the inputs (the annotation only confirms the dtype):
+            # the same for every chunk of the layer with these inputs
+            self._results[(follow_key, layer)] = result
+        return result
 
     def _output_spec(self, key: Key, parts: Fused | None, inferred: Value) -> ArraySpec | None:
         """The task's result: the collection's annotation where it agrees with what the
