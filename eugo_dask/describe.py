@@ -264,12 +264,14 @@ class TaskDescriber:
 @dataclass
 class GraphDescription:
     """What :func:`describe_graph` found: every key in dependency order, each alias's final
-    target, and the output spec and estimate of every task eugo can reason about."""
+    target, the output spec and estimate of every task eugo can reason about, and the
+    distinct keys each of those tasks reads (aliases resolved)."""
 
     order: list[Key]
     targets: dict[Key, Key]
     specs: dict[Key, ArraySpec | None]
     estimates: dict[Key, Estimate]
+    inputs: dict[Key, frozenset[Key]]
 
     def resolve(self, key: Key) -> Key:
         """The key an alias finally stands for (the key itself for anything else)."""
@@ -287,6 +289,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     specs: dict[Key, ArraySpec | None] = {}
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
+    reads: dict[Key, frozenset[Key]] = {}
     for k in order:
         node = dsk[k]
         if isinstance(node, DataNode):
@@ -298,13 +301,20 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
             continue
         if type(node) is Task and not is_eugo_callable(node.func):
-            inputs = {d: values.get(resolve(d, d), UNKNOWN_ARRAY) for d in node.dependencies}
+            deps = node.dependencies
+            if targets:
+                resolved = [resolve(d, d) for d in deps]
+                inputs = {d: values.get(r, UNKNOWN_ARRAY) for d, r in zip(deps, resolved)}
+                reads[k] = frozenset(resolved)
+            else:
+                inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
+                reads[k] = deps
             estimates[k], specs[k], handed_on = describer.describe(k, node, inputs)
             values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
         else:
             specs[k] = None
             values[k] = UNKNOWN_ARRAY
-    return GraphDescription(order, targets, specs, estimates)
+    return GraphDescription(order, targets, specs, estimates, reads)
 
 
 __all__ = ["GraphDescription", "TaskDescriber", "describe_graph"]

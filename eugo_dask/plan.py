@@ -226,16 +226,24 @@ class Plan:
 def _needs_host_regardless(dsk: Graph, description: GraphDescription, outputs: set[Key]) -> set[Key]:
     """Results that must reach the host whatever is placed where: outputs, and the inputs of
     consumers that cannot run on a device (aliases pass their consumers' needs through)."""
-    resolve, estimates = description.targets.get, description.estimates  # hot: no wrappers
-    needed = {resolve(k, k) for k in outputs}
+    estimates, reads = description.estimates, description.inputs
+    needed = {description.resolve(k) for k in outputs}
     for k in description.order:
-        node = dsk[k]
-        if isinstance(node, Alias):
-            continue
         est = estimates.get(k)
-        if est is None or not est.gpu_capable:
-            needed.update(resolve(d, d) for d in node.dependencies)
+        if est is not None:
+            if not est.gpu_capable:
+                needed |= reads[k]
+        else:
+            needed |= _reads(dsk[k], description)
     return needed
+
+
+def _reads(node: Any, description: GraphDescription) -> set[Key]:
+    """The keys an undescribed node reads, aliases resolved (an alias itself reads nothing:
+    its consumers' needs pass through to its target)."""
+    if isinstance(node, Alias):
+        return set()
+    return {description.resolve(d) for d in node.dependencies}
 
 
 def place(
@@ -263,9 +271,10 @@ def place(
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
-    resolve, estimates, specs = description.targets.get, description.estimates, description.specs
+    estimates, specs, reads = description.estimates, description.specs, description.inputs
     width = Counter(k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task)
     threads = profile.cpu.threads
+    lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
     host_regardless = _needs_host_regardless(dsk, description, outputs)
     sizes = {k: s.nbytes for k, s in specs.items() if s is not None}
     h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
@@ -277,14 +286,14 @@ def place(
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
-    totals = {"all_cpu": 0.0, "all_gpu": 0.0, "as_chosen": 0.0}
+    all_cpu = all_gpu = as_chosen = 0.0
     for k in description.order:
         est = estimates.get(k)
         if est is None:
             continue
-        inputs = {resolve(d, d) for d in dsk[k].dependencies}
-        lanes = min(width[k[0] if type(k) is tuple else k], threads) if est.cpu_parallel else 1
-        cpu_s = est.cpu_s / max(lanes, 1)
+        inputs = reads[k]
+        lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
+        cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
         input_bytes = 0
         for d in inputs:
@@ -299,27 +308,27 @@ def place(
         d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
-        too_big = device is not None and working_set_bytes(est) > device_memory_bytes
-        placement: Placement = CPU
-        if est.gpu_capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
-            placement = GPU
-        if placement == GPU:
+        capable = est.gpu_capable
+        too_big = capable and device is not None and working_set_bytes(est) > device_memory_bytes
+        if capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
+            placement: Placement = GPU
             h2d_done.update(d for d in inputs if d not in on_gpu)
             on_gpu.add(k)
             if d2h_out:
                 d2h_done.add(k)
             chosen = gpu_total
         else:
+            placement = CPU
             d2h_done.update(d for d in inputs if d in on_gpu)
             chosen = cpu_total
-        totals["all_cpu"] += cpu_s
-        totals["all_gpu"] += gpu_total if est.gpu_capable and not too_big else cpu_total
-        totals["as_chosen"] += chosen
+        all_cpu += cpu_s
+        all_gpu += gpu_total if capable and not too_big else cpu_total
+        as_chosen += chosen
         decisions[k] = Decision(
             k, placement, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,
-            min_speedup=min_speedup,
-            memory_limit=device_memory_bytes if est.gpu_capable and too_big else None,
+            min_speedup=min_speedup, memory_limit=device_memory_bytes if too_big else None,
         )
+    totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
 
     return Plan(
         decisions=decisions,
@@ -327,18 +336,19 @@ def place(
         device=device,
         min_speedup=min_speedup,
         totals=totals,
-        host_needed=frozenset(_host_consumed(dsk, decisions, outputs, resolve) & on_gpu),
+        host_needed=frozenset(_host_consumed(dsk, description, decisions, outputs) & on_gpu),
     )
 
 
-def _host_consumed(dsk: Graph, decisions: dict[Key, Decision], outputs: set[Key],
-                   resolve: Any) -> set[Key]:
+def _host_consumed(dsk: Graph, description: GraphDescription, decisions: dict[Key, Decision],
+                   outputs: set[Key]) -> set[Key]:
     """Results an output or a CPU-placed (or unplanned) consumer reads as NumPy."""
-    needed = {resolve(k, k) for k in outputs}
+    reads = description.inputs
+    needed = {description.resolve(k) for k in outputs}
     for k, node in dsk.items():
-        if isinstance(node, Alias):
-            continue
         d = decisions.get(k)
-        if d is None or d.device == CPU:
-            needed.update(resolve(x, x) for x in node.dependencies)
+        if d is None:
+            needed |= _reads(node, description)
+        elif d.device == CPU:
+            needed |= reads[k]
     return needed

@@ -218,27 +218,29 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     device, token = how.device, how.token
     out = dict(dsk)
     gpu = set(plan.gpu_keys)
+    host_needed = plan.host_needed
     targets = alias_targets(dsk)
-
-    def resolve(k: Key) -> Key:
-        return targets.get(k, k)
-
     roles: dict[Key, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
-    h2d: dict[Key, Key] = {}
+    on_device: dict[Key, Key] = {}  # a GPU task's key, or a host result's -> its device copy
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
+    calls: dict[tuple[int, str], tuple[Any, DeviceCall]] = {}  # one per function and layer
 
     def device_input(dep: Key) -> Key:
-        source = resolve(dep)
-        if source in gpu:
+        source = targets.get(dep, dep)
+        known = on_device.get(source)
+        if known is not None:
+            return known
+        if source in gpu:  # (the plan is in dependency order: never, in practice)
             return prefixed_key(source, GPU_PREFIX, token)
-        if source not in h2d:
-            h2d[source] = key = prefixed_key(source, H2D_PREFIX, token)
-            out[key] = Task(key, to_device, TaskRef(source), device)
-            roles[key] = (TODEVICE_ROLE, None, None)
-            origin[key] = source
-        return h2d[source]
+        on_device[source] = key = prefixed_key(source, H2D_PREFIX, token)
+        out[key] = Task(key, to_device, TaskRef(source), device)
+        roles[key] = (TODEVICE_ROLE, None, None)
+        origin[key] = source
+        return key
 
+    # the loop runs once per task of graphs a million tasks large: what one task of a layer
+    # works out (its DeviceCall, its fused inner graph on the device), every task shares
     for decision in plan:
         key = decision.key
         if decision.device != GPU:
@@ -248,20 +250,27 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         node = dsk[key]
         assert type(node) is Task, node
         subs = {d: device_input(d) for d in node.dependencies}
-        args = tuple(_substituted(a, subs) for a in node.args)
-        kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()}
+        args = tuple([TaskRef(subs[a.key]) if type(a) is TaskRef
+                      else a.substitute(subs) if isinstance(a, GraphNode) else a
+                      for a in node.args])
+        kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
         parts = fused(node)
         if parts is not None:
             inner = parts.inner  # shared by every chunk of a blockwise layer: rewrite it once
             if id(inner) not in inner_on_device:
                 inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
             args = (inner_on_device[id(inner)], *args[1:])
-        device_key = prefixed_key(key, GPU_PREFIX, token)
-        out[device_key] = Task(device_key, DeviceCall(node.func, device, key_split(key)), *args,
-                               _data_producer=node.data_producer, **kwargs)
+        name = key[0] if type(key) is tuple else key
+        call = calls.get((id(node.func), name))
+        if call is None:
+            call = calls[(id(node.func), name)] = (
+                node.func, DeviceCall(node.func, device, key_split(key)))
+        device_key = on_device[key] = prefixed_key(key, GPU_PREFIX, token)
+        out[device_key] = Task(device_key, call[1], *args, _data_producer=node.data_producer,
+                               **kwargs)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         origin[device_key] = key
-        if plan.needs_host(key):
+        if key in host_needed:
             # the copy back gets a prefix of its own (the task stream tells it apart); the
             # original key, which outputs and CPU consumers read, is an alias of it
             host_key = prefixed_key(key, D2H_PREFIX, token)
@@ -273,15 +282,14 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
     for key, source in targets.items():
-        if source in gpu and not plan.needs_host(source):
+        if source in gpu and source not in host_needed:
             del out[key]
 
     renames = _renames(out, order, original, outputs, set(origin), token)
     graph = _renamed_graph(out, renames)
     roles = {renames.get(k, k): r for k, r in roles.items()}
     carried = _carried(how.carried, renames, origin) if how.carried else {}
-    executed = {d.key: (prefixed_key(d.key, GPU_PREFIX, token) if d.device == GPU
-                        else renames.get(d.key, d.key)) for d in plan}
+    executed = {k: on_device[k] if k in gpu else renames.get(k, k) for k in plan.decisions}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
         for key, entry in roles.items():
