@@ -227,7 +227,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     calls: dict[tuple[int, str], tuple[Any, DeviceCall]] = {}  # one per function and layer
 
     def device_input(dep: Key) -> Key:
-        source = targets.get(dep, dep)
+        source: Key = targets.get(dep, dep)
         known = on_device.get(source)
         if known is not None:
             return known
