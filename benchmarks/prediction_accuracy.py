@@ -30,7 +30,7 @@ RNG = np.random.default_rng(1)
 def cases():
     """(family, label, op, inputs, out, fn) on sizes calibration never measured."""
     for dtype in ("float32", "float64"):
-        for n in (96, 192, 384, 768):
+        for n in (96, 192, 384, 768, 1536):
             a = RNG.random((n, n)).astype(dtype)
             spec = ArraySpec((n, n), np.dtype(dtype))
             yield ("matmul", f"matmul {n}² {dtype}", Op("matmul", "matmul", 2), [spec, spec], spec,
@@ -38,9 +38,9 @@ def cases():
     for name, nin in (("add", 2), ("multiply", 2), ("divide", 2), ("sqrt", 1), ("exp", 1), ("sin", 1), ("power", 2)):
         ufunc = getattr(np, name)
         for n in (300_000, 3_000_000):
-            x = RNG.random(n) + 0.5
+            x, y = RNG.random(n) + 0.5, RNG.random(n) + 0.5
             spec = ArraySpec((n,), x.dtype)
-            args = (x, x) if nin == 2 else (x,)
+            args = (x, y) if nin == 2 else (x,)
             yield "elementwise", f"{name} {n:,}", Op("elementwise", name, nin), [spec] * nin, spec, \
                 lambda ufunc=ufunc, args=args: ufunc(*args)
     for n in (3 << 11, 1 << 13, 1 << 15, 1 << 17, 1 << 19):

@@ -182,8 +182,12 @@ def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
         if flops <= 0:
             return 0.0, CPU_CALL_S, _gpu_call_s(profile)
         size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k
-        half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
-        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
+        per_flop = cpu.matmul_seconds_per_flop(dtype, size)
+        if per_flop is not None:  # calibrated at the chunk sizes that matter
+            cpu_rate = 1.0 / per_flop
+        else:
+            half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
+            cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
         gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_MATMUL_EFFICIENCY)
                     * size / (size + GPU_MATMUL_HALF_N))
         return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)

@@ -84,6 +84,8 @@ _CPU_FIELDS = {
     "task_overhead_s": "non-negative",
     "reduction_bandwidth_bytes_per_s": "positive?",
     "matmul_half_n": "positive?",
+    "matmul_s_per_flop": "class-rates?",
+    "warnings": "str-list?",
     "elementwise_s_per_element": "class-rates?",
     "fft_s_per_flop": "class-rates?",
     "reduction_s_per_element": "class-rates?",
@@ -158,6 +160,15 @@ class CPUProfile:
     matmul_half_n: float | None = None
     #: measured seconds per element of a binary call, by dtype and ufunc class (calibrate)
     elementwise_s_per_element: Mapping[str, Mapping[str, float]] | None = None
+    #: measured seconds per matmul flop by dtype and matrix order (calibrate: up to 2048-4096)
+    matmul_s_per_flop: Mapping[str, Mapping[str, Any]] | None = None
+    #: what the measurement noticed (unstable rounds, a busy machine)
+    warnings: tuple[str, ...] | None = None
+
+    def matmul_seconds_per_flop(self, dtype: np.dtype, n: float) -> float | None:
+        """Calibrated seconds per matmul flop at ``dtype`` and matrix order ``n`` (interpolated;
+        held flat past the largest size measured), or None where not measured."""
+        return _lookup(self.matmul_s_per_flop, dtype, "matmul", int(max(n, 1)))
 
     #: measured seconds per FFT flop (5 n log2 n) by dtype and size (calibrate)
     fft_s_per_flop: Mapping[str, Mapping[str, Any]] | None = None
@@ -246,6 +257,9 @@ def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
         if kind == "str":
             if not isinstance(value, str):
                 raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
+        elif kind == "str-list":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ProfileError(f"{_CONFIG_KEY}: {where} must be a list of strings; got {value!r}")
         elif kind == "bool":
             if not isinstance(value, bool):
                 raise ProfileError(f"{_CONFIG_KEY}: {where} must be true or false; got {value!r}")
@@ -414,8 +428,8 @@ def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "str": str, "bool": bool, "count": int, "positive": float, "non-negative": float, "rates": _rates,
-    "class-rates": _class_rates,
+    "str": str, "bool": bool, "str-list": tuple, "count": int, "positive": float,
+    "non-negative": float, "rates": _rates, "class-rates": _class_rates,
 }
 
 
