@@ -158,3 +158,12 @@ def test_cluster_profile_first_usable_candidate(tmp_path):
         assert cluster_profile() == "l4"  # the calibration has not written its file yet
         calibrated.write_text("base: t4\n")
         assert cluster_profile() == str(calibrated)
+
+
+def test_ci_runs_the_suite_with_cupy_installed_and_no_gpu():
+    from pathlib import Path
+
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    step = ci.split("with CuPy installed and no GPU", 1)[1]
+    assert "pip install --quiet -e '.[test]' cupy-cuda12x" in step
+    assert 'pytest -m "not slow"' in step
