@@ -61,12 +61,13 @@ def main() -> None:
         profile = load_profile(args.profile)
     else:
         profile = load_profile(calibrate(quick=True, progress=lambda m: print(f"  {m}", file=sys.stderr)))
-    used = {n for sizes in (QUICK_SIZES, FULL_SIZES) for ns in sizes.values() for n in ns}
+    used = {family: {n for sizes in (QUICK_SIZES, FULL_SIZES) for n in sizes[family]}
+            for family in QUICK_SIZES}
     errors: dict[str, list[float]] = {}
     print(f"{'case':<26} {'measured':>10} {'predicted':>10} {'error':>8}")
     for family, label, op, inputs, out, fn in cases():
         size = out.size if family != "reduction" else inputs[0].size
-        assert (int(round(size ** 0.5)) if family == "matmul" else size) not in used, label
+        assert (int(round(size ** 0.5)) if family == "matmul" else size) not in used[family], label
         measured = best_seconds(fn, repeat=15)
         estimate = estimate_task([Step(op, tuple(inputs), out)], inputs, out, profile)
         predicted = estimate.cpu_s - profile.cpu.task_overhead_s  # a raw call, no Dask dispatch

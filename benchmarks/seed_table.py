@@ -6,6 +6,7 @@ naive all-GPU columns say "not measured" (never invented) and eugo runs on the e
 which shows its choice, its overhead and that the result matches, not GPU speed.
 
     python benchmarks/seed_table.py                       # the seed's sizes (needs ~12 GB RAM)
+    python benchmarks/seed_table.py --medium              # 1/8 of the big sizes (the GPU check)
     python benchmarks/seed_table.py --quick               # 1/64 of the big sizes (CI)
     python benchmarks/seed_table.py --plot seed_table.png --profile eugo-profile.yaml
 """
@@ -23,14 +24,14 @@ from _common import NOT_MEASURED, best_of, compute_eugo, compute_plain, fmt, has
 import eugo_dask
 
 M = 2**20
-#: (label, kind, size at full scale, size with --quick)
+#: (label, kind, size at full scale, size with --medium (1/8 of the elements), with --quick)
 ROWS = [
-    ("Matmul {n}²", "matmul", 8192, 1024),
-    ("Elementwise {n}", "elementwise", 512 * M, 8 * M),
-    ("FFT {n}²", "fft", 4096, 512),
-    ("Sum {n}", "sum", 512 * M, 8 * M),
-    ("Matmul {n}²", "matmul", 256, 256),
-    ("Elementwise {n}", "elementwise", 10_000, 10_000),
+    ("Matmul {n}²", "matmul", 8192, 2896, 1024),
+    ("Elementwise {n}", "elementwise", 512 * M, 64 * M, 8 * M),
+    ("FFT {n}²", "fft", 4096, 1448, 512),
+    ("Sum {n}", "sum", 512 * M, 64 * M, 8 * M),
+    ("Matmul {n}²", "matmul", 256, 256, 256),
+    ("Elementwise {n}", "elementwise", 10_000, 10_000, 10_000),
 ]
 
 
@@ -150,13 +151,14 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1/64 of the big sizes")
+    parser.add_argument("--medium", action="store_true", help="1/8 of the big sizes")
     parser.add_argument("--profile", default="h200",
                         help="eugo.profile for eugo's choices (default: h200 + this CPU)")
     parser.add_argument("--plot", type=Path, default=Path("seed_table.png"))
     args = parser.parse_args()
     device = "cupy" if has_gpu() else "emulated device"
-    rows = [measure_row(text, kind, quick if args.quick else full, args.profile)
-            for text, kind, full, quick in ROWS]
+    rows = [measure_row(text, kind, quick if args.quick else medium if args.medium else full, args.profile)
+            for text, kind, full, medium, quick in ROWS]
     print_table(rows, device)
     plot(rows, args.plot, device)
     print(f"\nplot: {args.plot}")

@@ -739,7 +739,7 @@ class CupyDevice(Device):
         self._ready_lock = threading.Lock()
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
         self._staging_total = 0
-        super().__init__(settings)
+        super().__init__(settings)  # last: the device is visible to metrics from here on
 
     @property
     def count(self) -> int:

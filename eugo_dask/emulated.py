@@ -121,9 +121,9 @@ class EmulatedDevice(Device):
         self._pool_lock = threading.Lock()
         self._faults: deque[tuple[str, str]] = deque()
         self._lost: BaseException | None = None
-        super().__init__(settings)
-        fraction = self.settings.memory_fraction
+        fraction = (settings or DeviceSettings()).memory_fraction
         self.pool_limit_bytes = int(self.memory_limit_bytes * (fraction if fraction is not None else 1.0))
+        super().__init__(settings)  # last: the device is visible to metrics from here on
 
     @property
     def count(self) -> int:

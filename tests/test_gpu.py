@@ -204,8 +204,19 @@ def test_several_gpus(cupy):
     np.testing.assert_array_equal(dev.to_host(moved), np.ones(1000))
 
 
-@pytest.mark.parametrize("name", ["chain", "matmul-chain", "fft2", "std", "cumsum", "rechunk",
-                                  "fancy-index", "concatenate", "where", "einsum"])
+def _cases():
+    from .test_equivalence import CASES
+
+    return sorted(CASES)
+
+
+#: Cases known to run on the device without a fallback (the rest must match; a fallback there
+#: is reported, not failed: a function CuPy lacks runs its CPU path by design).
+NO_FALLBACK = {"chain", "matmul-chain", "fft2", "std", "cumsum", "rechunk", "fancy-index",
+               "concatenate", "where", "einsum"}
+
+
+@pytest.mark.parametrize("name", _cases())
 def test_same_result_on_cupy(name, cupy_device):
     from .test_equivalence import CASES
 
@@ -215,7 +226,10 @@ def test_same_result_on_cupy(name, cupy_device):
     assert type(result) is type(expected)
     assert_eq(result, expected)  # allclose: cuBLAS/cuFFT round differently from NumPy
     stats = eugo_dask.device_stats()
-    assert stats["tasks"] > 0 and stats["fallbacks"] == 0, stats
+    if name in NO_FALLBACK:
+        assert stats["tasks"] > 0 and stats["fallbacks"] == 0, stats
+    elif stats["fallbacks"]:
+        print(f"{name}: {stats['fallback_reasons']}")
 
 
 def test_matmul_add_sum_counters_on_cupy(cupy_device):
