@@ -816,6 +816,7 @@ class CupyDevice(Device):
         self._prepare(ordinal)
         with cupy.cuda.Device(ordinal):
             stream = self._stream(ordinal)
+            _after_legacy_stream(cupy, stream)
             with stream:
                 def synchronise() -> Any:
                     end = stream.record()
@@ -840,6 +841,7 @@ class CupyDevice(Device):
         self._prepare(ordinal)
         with self.cupy.cuda.Device(ordinal):
             stream = self._stream(ordinal)
+            _after_legacy_stream(self.cupy, stream)
             yield stream
             stream.synchronize()
 
@@ -995,6 +997,17 @@ class CupyDevice(Device):
             if reason is not None:
                 return f"CUDA device {ordinal}: {reason}"
         return None
+
+
+def _after_legacy_stream(cupy: Any, stream: Any) -> None:
+    """Make ``stream`` (non-blocking: it does not wait for the legacy default stream by itself)
+    start after the work already queued on the current device's default stream and on this
+    thread's current stream, where CuPy code outside eugo's task scopes runs."""
+    null = cupy.cuda.Stream.null
+    stream.wait_event(null.record())
+    current = cupy.cuda.get_current_stream()
+    if current.ptr not in (null.ptr, stream.ptr):  # a per-thread default or user stream
+        stream.wait_event(current.record())
 
 
 def _elapsed_seconds(cupy: Any) -> Callable[[Any, Any], float]:

@@ -372,3 +372,103 @@ def test_cupy_without_a_gpu_says_why(cupy_without_gpu):
             read_settings().resolved()
         # planned for a cluster's GPU workers, this process needs no device
         assert read_settings().resolved(gpu_workers=True).device == "cupy"
+
+
+# ---------------------------------------------------------------------------------------------
+# CupyDevice's copy pipeline on a stand-in for CuPy with CUDA's ordering rules (tests/fake_cupy)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake(monkeypatch):
+    import sys
+
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=2)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setitem(sys.modules, "cupy.fft", module.fft)
+    monkeypatch.setitem(sys.modules, "cupy.fft.config", module.fft.config)
+    fake_cupy.pool.limit = fake_cupy.pool.used = 0
+    reset_device_stats()
+    dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
+                                            fft_plan_cache_bytes=1 << 20))
+    dev.direct_copy_bytes = 4096  # stage everything past 4 kB in 64 kB chunks
+    yield dev, fake_cupy
+
+
+@pytest.mark.parametrize("nbytes", [800, 64 * 1024, 3 * 64 * 1024, 3 * 64 * 1024 + 8 * 37])
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+def test_staged_copies_round_trip_on_fake_cupy(fake, nbytes, layout):
+    dev, _ = fake
+    n = nbytes // 8
+    host = np.arange(2 * n, dtype=np.float64).reshape(2, n)
+    host = {"C": host[:, :n // 2 * 2].copy(), "F": np.asfortranarray(host), "strided": host[:, ::2]}[layout]
+    back_outside = dev.to_host(dev.to_device(host))
+    with dev.task(0):
+        on_device = dev.to_device(host)
+        back_inside = dev.to_host(on_device)
+    for back in (back_outside, back_inside):
+        np.testing.assert_array_equal(back, host)
+    assert back_outside.flags.f_contiguous == (layout == "F")
+
+
+def test_copies_in_a_task_are_asynchronous_until_it_ends(fake):
+    dev, _ = fake
+    first, second = np.arange(50_000.0), np.arange(50_000.0) * -1  # 400 kB: 7 chunks each
+    with dev.task(0) as clock:
+        a = dev.to_device(first)
+        b = dev.to_device(second)  # reuses the staging buffers a's copies still read from
+        assert not np.array_equal(b.peek(), second)  # b's last chunks have not run yet
+        clock.mark("eugo-h2d")
+    np.testing.assert_array_equal(a.peek(), first)  # the scope's end waited for both
+    np.testing.assert_array_equal(b.peek(), second)
+    assert list(clock.seconds) == ["eugo-h2d"]
+    # outside a task a copy is complete when it returns
+    c = dev.to_device(first)
+    np.testing.assert_array_equal(c.peek(), first)
+    assert device_stats()["h2d_count"] == 3 and device_stats()["h2d_bytes"] == 3 * 400_000
+
+
+def test_several_fake_gpus_select_and_move(fake):
+    dev, _ = fake
+    assert dev.count == 2
+    x = dev.to_device(np.ones(1000), ordinal=1)
+    assert dev.ordinal_of(x) == 1 and dev.select(([x], np.ones(3))) == 1
+    moved = dev.move(x, 0)
+    assert dev.ordinal_of(moved) == 0 and dev.move(moved, 0) is moved
+    np.testing.assert_array_equal(dev.to_host(moved), np.ones(1000))
+    assert device_stats()["d2d_count"] == 1
+
+
+def test_fake_cupy_pool_limit_fft_caches_and_errors(fake):
+    dev, fake_cupy = fake
+    limited = type(dev)(dev.cupy, DeviceSettings(memory_fraction=1e-6))  # 80 kB of a fake 80 GB
+    with pytest.raises(MemoryError) as info:
+        limited.to_device(np.ones(20_000))
+    assert limited.classify_error(info.value) == OUT_OF_MEMORY
+    assert limited.memory_stats()["ordinals"][0]["pool_limit_bytes"] == 80_000
+    fake_cupy.pool.limit = 0
+    with dev.task(1):
+        cache = fake_cupy.get_plan_cache()
+    assert (cache.size, cache.memsize) == (3, 1 << 20)  # this thread's cache on device 1, bounded
+    cache.plans = 2
+    assert dev.memory_stats()["ordinals"][1]["fft_plans"] == 2
+    dev.release_memory()
+    assert cache.plans == 0
+    assert dev.classify_error(fake_cupy.CUDARuntimeError(700)) == STICKY
+    assert dev.memory_stats()["pinned_bytes"] == 0  # staging buffers come with a thread's first copy
+    dev.to_device(np.ones(100_000))
+    assert dev.memory_stats()["pinned_bytes"] == 2 * 64 * 1024  # this thread's two buffers
+
+
+def test_copies_wait_for_work_queued_on_the_default_stream(fake):
+    dev, fake_cupy = fake
+    x = dev.to_device(np.zeros(100_000))
+    # a kernel some code outside eugo's scopes queued on the legacy default stream, not run yet
+    fake_cupy.Stream.null._enqueue(lambda: x.peek().__setitem__(slice(None), 5.0))
+    np.testing.assert_array_equal(dev.to_host(x), np.full(100_000, 5.0))
+    fake_cupy.Stream.null._enqueue(lambda: x.peek().__setitem__(slice(None), 7.0))
+    with dev.task(0):
+        back = dev.to_host(x)
+    np.testing.assert_array_equal(back, np.full(100_000, 7.0))
