@@ -298,6 +298,9 @@ class Device:
         self.settings = settings or DeviceSettings()
         self._local = threading.local()
         self._lock = threading.Lock()
+        # held while an idle release runs: no task scope opens meanwhile (CuPy's FFT plan
+        # caches belong to their threads and must not be cleared under a running task)
+        self._release_lock = threading.Lock()
         self._in_flight: Counter[int] = Counter()
         self._next_home = 0
         self._disabled: str | None = None
@@ -343,10 +346,10 @@ class Device:
         """Memory held by this device in this process (bytes per ordinal, caches)."""
         raise NotImplementedError
 
-    def release_memory(self, *, idle: bool = True) -> int:
-        """Give back what the pools hold beyond what is in use and the cached FFT plans
-        (``idle``: every thread's; otherwise those of this thread and of finished threads).
-        Returns the bytes given back."""
+    def release_memory(self, *, idle: bool = False) -> int:
+        """Give back what the pools hold beyond what is in use, and cached FFT plans: those of
+        this thread and of finished threads, or with ``idle`` every thread's (only while no
+        task runs, as the idle releaser makes sure). Returns the bytes given back."""
         raise NotImplementedError
 
     def probe(self) -> str | None:
@@ -413,7 +416,7 @@ class Device:
             yield outer
             return
         ordinal = self.select() if ordinal is None else ordinal
-        with self._lock:
+        with self._release_lock, self._lock:
             self._in_flight[ordinal] += 1
             self._released_since_busy = False
         start = time.perf_counter()
@@ -508,7 +511,7 @@ class Device:
             self.disable(f"{kind} error: {type(exc).__name__}: {exc}")
         elif kind == OUT_OF_MEMORY:
             with contextlib.suppress(Exception):
-                self.release_memory(idle=False)
+                self.release_memory()
         return kind
 
     def disable(self, reason: str) -> None:
@@ -543,14 +546,15 @@ class Device:
         self._idle_thread.start()
 
     def _release_if_idle(self, idle_s: float) -> None:
-        with self._lock:
-            due = (not self._released_since_busy and not self.tasks_in_flight()
-                   and time.monotonic() - self._last_busy >= idle_s)
+        with self._release_lock:
+            with self._lock:
+                due = (not self._released_since_busy and not self.tasks_in_flight()
+                       and time.monotonic() - self._last_busy >= idle_s)
+                if due:
+                    self._released_since_busy = True
             if due:
-                self._released_since_busy = True
-        if due:
-            released = self.release_memory(idle=True)
-            logger.debug("eugo: %s idle for %.0f s: released %d bytes", self.name, idle_s, released)
+                released = self.release_memory(idle=True)
+                logger.debug("eugo: %s idle for %.0f s: released %d bytes", self.name, idle_s, released)
 
 
 def _idle_release_loop(ref: weakref.ref[Device], idle_s: float) -> None:
@@ -965,7 +969,7 @@ class CupyDevice(Device):
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}
 
-    def release_memory(self, *, idle: bool = True) -> int:
+    def release_memory(self, *, idle: bool = False) -> int:
         cupy = self.cupy
         alive = {t.ident for t in threading.enumerate()}
         me = threading.get_ident()

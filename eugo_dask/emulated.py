@@ -195,7 +195,7 @@ class EmulatedDevice(Device):
         return {"device": self.name, "disabled": self.unusable_reason, "ordinals": ordinals,
                 "pinned_bytes": 0, "threads": 0, "allocator": "emulated"}
 
-    def release_memory(self, *, idle: bool = True) -> int:
+    def release_memory(self, *, idle: bool = False) -> int:
         with self._pool_lock:
             released = sum(self._held)
             self._held = [0] * self._count
