@@ -448,13 +448,16 @@ class Device:
         return getattr(self._local, "clock", None)
 
     # -- copies -------------------------------------------------------------------------------
+    def _default_ordinal(self) -> int:
+        return self.select()
+
     def to_device(self, array: np.ndarray, ordinal: int | None = None) -> Any:
-        """Copy a host array to device ``ordinal`` (default: the open scope's, else
-        :meth:`select`), counted. Asynchronous inside a task scope, complete on return
-        outside one."""
+        """Copy a host array to device ``ordinal`` (default: the open scope's, else this
+        thread's current device on CuPy, :meth:`select` elsewhere), counted. Asynchronous
+        inside a task scope, complete on return outside one."""
         clock = self.current_task()
         if ordinal is None:
-            ordinal = clock.ordinal if clock is not None else self.select()
+            ordinal = clock.ordinal if clock is not None else self._default_ordinal()
         out = self._to_device(array, ordinal, clock is not None and clock.ordinal == ordinal)
         _stats.add(h2d_count=1, h2d_bytes=int(array.nbytes))
         return out
@@ -754,6 +757,10 @@ class CupyDevice(Device):
 
     def ordinal_of(self, value: object) -> int | None:
         return int(value.device.id) if isinstance(value, self.cupy.ndarray) else None
+
+    def _default_ordinal(self) -> int:
+        # outside a task scope, where code that chose no device runs: CuPy's current device
+        return int(self.cupy.cuda.runtime.getDevice())
 
     # -- per-process and per-thread set-up ----------------------------------------------------
     def _pool(self) -> Any | None:

@@ -267,7 +267,7 @@ def module(device_count: int = 1) -> types.SimpleNamespace:
     """The fake ``cupy`` module object CupyDevice is given, and the ``cupy.fft.config`` module
     its plan-cache bound imports (put it in ``sys.modules``)."""
     runtime = types.SimpleNamespace(CUDARuntimeError=CUDARuntimeError, hostAllocPortable=1,
-                                    getDeviceCount=lambda: device_count)
+                                    getDeviceCount=lambda: device_count, getDevice=_current_device)
     cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, Event=Event, get_current_stream=get_current_stream,
         get_elapsed_time=get_elapsed_time, runtime=runtime,

@@ -431,7 +431,7 @@ def test_copies_in_a_task_are_asynchronous_until_it_ends(fake):
 
 
 def test_several_fake_gpus_select_and_move(fake):
-    dev, _ = fake
+    dev, fake_cupy = fake
     assert dev.count == 2
     x = dev.to_device(np.ones(1000), ordinal=1)
     assert dev.ordinal_of(x) == 1 and dev.select(([x], np.ones(3))) == 1
@@ -439,6 +439,10 @@ def test_several_fake_gpus_select_and_move(fake):
     assert dev.ordinal_of(moved) == 0 and dev.move(moved, 0) is moved
     np.testing.assert_array_equal(dev.to_host(moved), np.ones(1000))
     assert device_stats()["d2d_count"] == 1
+    # outside a task, with no device named: CuPy's current device, as code that chose none expects
+    with fake_cupy.Device(1):
+        assert dev.ordinal_of(dev.to_device(np.ones(3))) == 1
+    assert dev.ordinal_of(dev.to_device(np.ones(3))) == 0
 
 
 def test_fake_cupy_pool_limit_fft_caches_and_errors(fake):
