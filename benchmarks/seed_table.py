@@ -5,8 +5,9 @@ Each workload is float32, host-resident, one chunk. Without a CUDA device the GP
 naive all-GPU columns say "not measured" (never invented) and eugo runs on the emulated device,
 which shows its choice, its overhead and that the result matches, not GPU speed.
 
-    python benchmarks/seed_table.py                       # the seed's sizes (needs ~18 GB RAM)
-    python benchmarks/seed_table.py --quick               # 1/64 of the big sizes
+    python benchmarks/seed_table.py                       # the seed's sizes (needs ~12 GB RAM)
+    python benchmarks/seed_table.py --medium              # 1/8 of the big sizes (the GPU check)
+    python benchmarks/seed_table.py --quick               # 1/64 of the big sizes (CI)
     python benchmarks/seed_table.py --plot seed_table.png --profile eugo-profile.yaml
 """
 
@@ -22,14 +23,14 @@ import numpy as np
 import eugo_dask
 
 M = 2**20
-#: (label, kind, size at full scale, size with --quick)
+#: (label, kind, size at full scale, size with --medium (1/8 of the elements), with --quick)
 ROWS = [
-    ("Matmul {n}²", "matmul", 8192, 1024),
-    ("Elementwise {n}", "elementwise", 512 * M, 8 * M),
-    ("FFT {n}²", "fft", 4096, 512),
-    ("Sum {n}", "sum", 512 * M, 8 * M),
-    ("Matmul {n}²", "matmul", 256, 256),
-    ("Elementwise {n}", "elementwise", 10_000, 10_000),
+    ("Matmul {n}²", "matmul", 8192, 2896, 1024),
+    ("Elementwise {n}", "elementwise", 512 * M, 64 * M, 8 * M),
+    ("FFT {n}²", "fft", 4096, 1448, 512),
+    ("Sum {n}", "sum", 512 * M, 64 * M, 8 * M),
+    ("Matmul {n}²", "matmul", 256, 256, 256),
+    ("Elementwise {n}", "elementwise", 10_000, 10_000, 10_000),
 ]
 
 
@@ -149,13 +150,14 @@ def plot(rows: list[dict], path: Path, device: str) -> None:
 
 def main() -> None:
     parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--medium", action="store_true", help="1/8 of the big sizes")
     parser.add_argument("--profile", default="h200",
                         help="eugo.profile for eugo's choices (default: h200 + this CPU)")
     parser.add_argument("--plot", type=Path, default=Path("seed_table.png"))
     args = _common.parse_args(parser)
     device = "cupy" if _common.has_gpu() else "emulated device"
-    rows = [measure_row(text, kind, quick if args.quick else full, args.profile)
-            for text, kind, full, quick in ROWS]
+    rows = [measure_row(text, kind, quick if args.quick else medium if args.medium else full, args.profile)
+            for text, kind, full, medium, quick in ROWS]
     print_table(rows, device)
     plot(rows, args.plot, device)
     print(f"\nplot: {args.plot}")

@@ -2,17 +2,22 @@
 
 The measuring itself is :mod:`eugo_dask.measure`'s; this module assembles the profile.
 
-The CPU is always measured: matmul by dtype over a range of sizes (peak rate and the size at
-which half of it is reached), elementwise ufuncs by class (memory-bound add, divide/sqrt,
-transcendental exp/sin, power), FFTs, reductions, and the per-task overhead of Dask's scheduler,
-each over several chunk sizes. With CuPy and a CUDA device the GPU and its link are measured too:
-host->device and device->host copies from pageable and pinned memory, transfer latency, CuPy call
-and kernel-launch overhead, cuFFT plan creation, GEMM and elementwise rates. Without one, the GPU
-and link sections come from a preset and say so (``source``).
+The CPU is always measured (:func:`eugo_dask.measure.measure_cpu` at level ``quick`` or
+``full``): matmul by dtype up to 2048² (``--quick``) or 4096², the chunk sizes Dask arrays have;
+elementwise ufuncs by class (memory-bound add, divide/sqrt, transcendental exp/sin, power); FFTs;
+reductions; and the per-task overhead of Dask's scheduler, each over several chunk sizes. Every
+rate is measured in rounds; unstable rounds are measured again and, where they stay unstable, a
+warning says so (on ``progress`` and in the CPU section's ``warnings``).
 
-``--quick`` takes a few seconds on a 2-core machine; the full run about a minute or two. Progress
-goes to a callback (the CLI prints it). Timings are the best of several repeats after a warm-up
-call, which measures what the hardware does rather than what the machine's neighbours do.
+With CuPy and a usable CUDA device the GPU and its link are measured too, on the runtime's own
+paths (:func:`eugo_dask.measure.measure_gpu`): its staged host<->device copies and raw pinned
+DMA, transfer latency, CuPy call and kernel-launch overhead, cuFFT plan creation, first use and
+per-thread set-up, and achieved bandwidth, elementwise, GEMM and FFT rates (``measured: true``).
+Without one, the GPU and link sections come from a preset and say so (``source``).
+
+``--quick`` takes about 5-10 s on a 2-core machine without a GPU (longer on a busy one, whose
+unstable rounds are measured again); the full run a minute or two. Progress goes to a callback
+(the CLI prints it).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def calibrate(*, quick: bool = False, gpu_preset: str = "h200", threads: int | N
         Worker threads running chunks side by side (default: this machine's cores).
     """
     started = time.perf_counter()
-    cpu = measure_cpu(quick=quick, threads=threads, progress=progress)
+    cpu = measure_cpu(level="quick" if quick else "full", threads=threads, progress=progress)
     if cupy_device_count():
         gpu, link = measure_gpu(quick=quick, progress=progress)
         name, source = "calibrated", cpu["source"]

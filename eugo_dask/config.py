@@ -9,23 +9,37 @@ import:
 - :func:`read_settings` -> :class:`Settings`, everything the pass needs, validated (errors name
   the key and what is allowed); :meth:`Settings.resolved` turns ``auto`` into a device and a
   profile;
-- :func:`process_device` and :func:`emulated_memory_limit`: what a worker's own settings allow
-  inside a task; :func:`worker_setting_problems` checks them where a worker starts;
+- :func:`process_device`, :func:`emulated_memory_limit`, :func:`emulated_device_count` and
+  :func:`device_settings` (a :class:`~eugo_dask.devices.DeviceSettings`: pool limit, FFT plan
+  caches, idle release, staging buffers): what a worker's own settings allow inside a task;
+  :func:`worker_setting_problems` checks them where a worker starts;
+- :func:`resolve_profile`: ``auto`` -> the preset for the local CUDA device's exact model;
 - :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import dask
 import yaml
-from dask.utils import parse_bytes
+from dask.utils import parse_bytes, parse_timedelta
 
-from eugo_dask.devices import DEVICES, cupy_device_name, resolve_device_name
-from eugo_dask.profile import PRESETS, check_profile_spec
+from eugo_dask.devices import (
+    DEVICES,
+    DeviceSettings,
+    cupy_device_count,
+    cupy_device_memory,
+    cupy_device_name,
+    resolve_device_name,
+)
+from eugo_dask.profile import PRESETS, check_profile_spec, preset_for_device
+
+logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(__file__)
 
@@ -68,8 +82,8 @@ class Settings:
         for CuPy: the workers' own devices run the GPU tasks."""
         if (self.device == "auto" and gpu_workers) or (self.device == "cupy" and gpu_workers is not None):
             device = "cupy"  # planned for the cluster's workers; this process needs no CuPy
-        else:
-            device = resolve_device_name(self.device) or "none"
+        else:  # this machine's device; an explicit "cupy" here says why it cannot be honoured
+            device = resolve_device_name(self.device, explicit_error=True) or "none"
         return Settings(**{**asdict(self), "device": device,
                            "profile": resolve_profile(self.profile, device)})
 
@@ -113,15 +127,82 @@ def emulated_memory_limit() -> int:
 
 def worker_setting_problems() -> list[str]:
     """What is wrong with this process's own settings as a worker reads them at start
-    (``eugo.device``, ``eugo.emulated.memory-limit``, ``eugo.resource``): one message per
+    (``eugo.device``, ``eugo.emulated.*``, the device settings, ``eugo.resource``): one message per
     key, naming it and what is allowed; empty where all is well."""
     problems = []
-    for reader in (process_device, emulated_memory_limit, read_resource):
+    for reader in (process_device, emulated_memory_limit, emulated_device_count, device_settings,
+                   read_resource):
         try:
             reader()
         except ValueError as e:
             problems.append(str(e))
     return problems
+
+
+def emulated_device_count() -> int:
+    """Emulated devices per process (``eugo.emulated.devices``)."""
+    value = dask.config.get("eugo.emulated.devices", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"eugo.emulated.devices must be a whole number >= 1; got {value!r}")
+    return value
+
+
+def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    try:
+        size = parse_bytes(value)
+    except (TypeError, ValueError):
+        size = -1
+    if isinstance(value, bool) or size < 0:
+        allowed = "a byte count or size like '1 GiB'" + (", or null" if allow_none else "")
+        raise ValueError(f"{key} must be {allowed}; got {value!r}")
+    return size
+
+
+#: The device settings' keys and defaults, in :class:`~eugo_dask.devices.DeviceSettings` order.
+_DEVICE_KEYS = (("eugo.device-memory-fraction", 0.8), ("eugo.fft-plan-cache-size", 8),
+                ("eugo.fft-plan-cache-memory", "1 GiB"), ("eugo.device-idle-release", "60s"),
+                ("eugo.staging-buffer", "8 MiB"))
+
+
+def device_settings() -> DeviceSettings:
+    """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
+    ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``
+    and ``eugo.staging-buffer``, validated. (Tasks call this: the parsing is done once per
+    distinct set of values.)"""
+    raw = tuple(dask.config.get(key, default) for key, default in _DEVICE_KEYS)
+    try:
+        hash(raw)
+    except TypeError:
+        return _device_settings(*raw)
+    return _cached_device_settings(*raw)
+
+
+def _device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
+                     staging_size: Any) -> DeviceSettings:
+    fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
+                       exclusive_minimum=True)
+    if isinstance(plans, bool) or not isinstance(plans, int) or plans < 0:
+        raise ValueError(f"eugo.fft-plan-cache-size must be a whole number >= 0; got {plans!r}")
+    plan_bytes = _size("eugo.fft-plan-cache-memory", plan_memory, allow_none=True)
+    try:
+        idle_s = None if idle is None else parse_timedelta(idle, default="seconds")
+    except (TypeError, ValueError, KeyError):
+        idle_s = -1
+    if isinstance(idle, bool) or (idle_s is not None and idle_s <= 0):
+        raise ValueError(f"eugo.device-idle-release must be a duration like '60s' (> 0) or null; "
+                         f"got {idle!r}")
+    staging = _size("eugo.staging-buffer", staging_size)
+    assert staging is not None
+    if 0 < staging < 64 * 1024:
+        raise ValueError(f"eugo.staging-buffer must be 0 or at least 64 KiB; got {staging!r}")
+    return DeviceSettings(memory_fraction=fraction, fft_plan_cache_size=plans,
+                          fft_plan_cache_bytes=plan_bytes, idle_release_s=idle_s,
+                          staging_bytes=staging)
+
+
+_cached_device_settings = functools.lru_cache(maxsize=64)(_device_settings)
 
 
 def read_resource() -> str:
@@ -145,6 +226,8 @@ def read_settings() -> Settings:
     device = process_device()
     resource = read_resource()
     memory_limit_bytes = emulated_memory_limit()
+    device_settings()  # validated here too, so a bad value fails on the client
+    emulated_device_count()
     learn = dask.config.get("eugo.learn", False)
     if not isinstance(learn, bool):
         raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
@@ -162,11 +245,6 @@ def read_settings() -> Settings:
         learn=learn,
         history=history,
     )
-
-
-# Substrings of CUDA device names -> presets, most specific first.
-_DEVICE_PRESETS = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"),
-                   ("A100", "a100"), ("L4", "l4"), ("T4", "t4"))
 
 
 def cluster_profile() -> Any:
@@ -190,18 +268,31 @@ def cluster_profile() -> Any:
 
 
 def resolve_profile(profile: Any, device: str) -> Any:
-    """``auto`` -> the preset matching the local CUDA device (h200 for the emulated device or
-    an unknown GPU); anything else is returned as given."""
+    """``auto`` -> the profile for the local CUDA device: the preset of its exact model name with
+    its memory and device count read from the device (:func:`eugo_dask.profile.preset_for_device`);
+    an unknown model is priced with the h200 preset and a warning says to calibrate; the h200
+    preset for the emulated device or where there is no CUDA device here. Anything else is
+    returned as given."""
     if profile != "auto":
         return profile
     try:
         name = cupy_device_name() if device == "cupy" else None
     except ImportError:  # planning on a scheduler without CuPy for GPU workers
         name = None
-    for needle, preset in _DEVICE_PRESETS:
-        if name and needle in name:
-            return preset
-    return "h200"
+    if name is None:
+        return "h200"
+    spec, known = preset_for_device(name, memory_bytes=cupy_device_memory(), count=cupy_device_count())
+    if not known:
+        _warn_unknown_device(name, spec["base"])
+    return spec
 
 
-__all__ = ["PRESETS", "Settings", "read_settings", "register_defaults", "resolve_profile", "schema"]
+@functools.cache
+def _warn_unknown_device(name: str, preset: str) -> None:
+    logger.warning("eugo: no preset for the CUDA device %r: planning with the %s preset's figures "
+                   "(memory from the device); run `eugo-dask calibrate` on this machine and set "
+                   "eugo.profile to its profile", name, preset)
+
+
+__all__ = ["PRESETS", "Settings", "device_settings", "emulated_device_count", "read_settings",
+           "register_defaults", "resolve_profile", "schema"]

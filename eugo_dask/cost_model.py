@@ -54,7 +54,8 @@ from eugo_dask.ops import (
 )
 from eugo_dask.profile import Profile
 
-# Efficiency factors applied to the profile's peaks (spec sheets give peaks; kernels reach less).
+# Efficiency factors applied to a spec-sheet profile's peaks (kernels reach less); a calibrated
+# profile's figures are achieved rates (``gpu.measured``) and get none.
 GPU_BANDWIDTH_EFFICIENCY = 0.8
 GPU_FLOPS_EFFICIENCY = 0.5
 GPU_MATMUL_EFFICIENCY = 0.8
@@ -97,8 +98,19 @@ class Estimate:
     gpu_model_s: float | None = None
 
 
+def _efficiency(profile: Profile, factor: float) -> float:
+    return 1.0 if profile.gpu.measured else factor
+
+
 def _gpu_bw(profile: Profile) -> float:
-    return profile.gpu.memory_bandwidth_bytes_per_s * GPU_BANDWIDTH_EFFICIENCY
+    return profile.gpu.memory_bandwidth_bytes_per_s * _efficiency(profile, GPU_BANDWIDTH_EFFICIENCY)
+
+
+def _gpu_fft_rate(profile: Profile, dtype: np.dtype[Any]) -> float:
+    gpu = profile.gpu
+    if gpu.fft_flops_per_s is not None:  # measured on the device
+        return gpu.fft_flops_per_s.for_dtype(dtype)
+    return gpu.flops_per_s.for_dtype(dtype) * GPU_FFT_FLOPS_EFFICIENCY
 
 
 def _gpu_call_s(profile: Profile) -> float:
@@ -162,7 +174,7 @@ def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
             cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s,
                         flops / cpu.flops_per_s.for_dtype(dtype))
         gpu_s = max(traffic / _gpu_bw(profile),
-                    flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FLOPS_EFFICIENCY))
+                    flops / (gpu.flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_FLOPS_EFFICIENCY)))
         return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
     if op.family == MATMUL:
         flops = step.flops if step.flops is not None else _guessed_matmul_flops(
@@ -170,9 +182,13 @@ def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
         if flops <= 0:
             return 0.0, CPU_CALL_S, _gpu_call_s(profile)
         size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k
-        half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
-        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
-        gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * GPU_MATMUL_EFFICIENCY
+        per_flop = cpu.matmul_seconds_per_flop(dtype, size)
+        if per_flop is not None:  # calibrated at the chunk sizes that matter
+            cpu_rate = 1.0 / per_flop
+        else:
+            half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
+            cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
+        gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_MATMUL_EFFICIENCY)
                     * size / (size + GPU_MATMUL_HALF_N))
         return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
     if op.family == FFT:
@@ -185,8 +201,7 @@ def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
         traffic = 2 * points * max(out.dtype.itemsize if out is not None else item, item)
         per_flop = cpu.fft_seconds_per_flop(dtype, points)
         cpu_s = flops * per_flop if per_flop is not None else flops / cpu.fft_flops_per_s.for_dtype(dtype)
-        gpu_s = max(flops / (gpu.flops_per_s.for_dtype(dtype) * GPU_FFT_FLOPS_EFFICIENCY),
-                    3 * traffic / _gpu_bw(profile))
+        gpu_s = max(flops / _gpu_fft_rate(profile, dtype), 3 * traffic / _gpu_bw(profile))
         return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
     if op.family == REDUCTION:
         source = step.ins[0] if step.ins else None

@@ -1,21 +1,37 @@
 """Measuring this machine: timing helpers, the CPU (and with CuPy the GPU and its link), and
 the per-machine cache of the CPU measurement.
 
-Timings are the best of several repeats after a warm-up call, which measures what the hardware
-does rather than what the machine's neighbours do. :func:`measure_local_cpu` takes under a
-second and runs where a profile has no ``cpu`` section (its result is cached per machine);
-:func:`measure_cpu` and :func:`measure_gpu` are what ``eugo-dask calibrate`` runs
-(:mod:`eugo_dask.calibrate` turns them into a profile).
+One CPU measurer, :func:`measure_cpu`, serves at three levels (:data:`LEVELS`):
 
-Elementwise rates are in the cost model's flop-equivalents (:data:`eugo_dask.ops.UFUNC_WEIGHTS`).
+- ``probe`` (well under 2 s): what a profile without a ``cpu`` section uses, measured once per
+  machine and cached (:func:`cached_local_cpu`; :func:`measure_local_cpu` is this level);
+- ``quick`` (``eugo-dask calibrate --quick``, about 5-10 s) and ``full`` (a minute or two):
+  tables over the chunk sizes that matter (matmul up to 2048² and 4096², elementwise, FFT and
+  reductions up to 2^23-2^24 elements) that the cost model interpolates.
+
+Measurements are robust against a busy machine: every rate is the best of a few timed calls
+after a warm-up, measured in several rounds; a spread between rounds past
+:data:`UNSTABLE_SPREAD` triggers another round after a pause, the figure is the best round
+(another process only ever slows a round down), and a spread that stays says so (``progress``
+and the section's ``warnings``), as does a load average above the core count.
+
+:func:`measure_gpu` measures a CUDA device and its link on exactly the paths the runtime uses
+(:class:`eugo_dask.devices.CupyDevice`'s staged copies, a task's stream), corrects what the first
+version got wrong (traffic of ``add``, a call overhead that was a difference of equal calls), and
+records first-use costs. Elementwise rates are in the cost model's flop-equivalents
+(:data:`eugo_dask.ops.UFUNC_WEIGHTS`). :mod:`eugo_dask.calibrate` turns these into a profile.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -24,19 +40,25 @@ from typing import Any
 
 import numpy as np
 
-from eugo_dask.devices import cupy_device_name, import_cupy
+from eugo_dask.devices import CupyDevice, DeviceSettings, cupy_device_name, import_cupy
 from eugo_dask.files import cache_dir, machine_id, write_json_atomic
 from eugo_dask.ops import UFUNC_WEIGHTS
 
 Progress = Callable[[str], None]
 
+#: Levels of :func:`measure_cpu`.
+LEVELS = ("probe", "quick", "full")
+#: Rounds whose best rates differ by more than this factor are measured again, then reported.
+UNSTABLE_SPREAD = 1.3
+
 
 def best_seconds(fn: Callable[[], Any], *, repeat: int = 5, budget_s: float = 1.0,
-                 sync: Callable[[], None] = lambda: None) -> float:
+                 sync: Callable[[], None] = lambda: None, warm_up: bool = True) -> float:
     """Best of ``repeat`` timed calls after one warm-up call (stopping early past a budget).
     ``sync`` waits for asynchronous work (a CUDA stream) before the clock stops."""
-    fn()
-    sync()
+    if warm_up:
+        fn()
+        sync()
     best, spent = float("inf"), 0.0
     for _ in range(repeat):
         start = time.perf_counter()
@@ -49,44 +71,233 @@ def best_seconds(fn: Callable[[], Any], *, repeat: int = 5, budget_s: float = 1.
     return max(best, 1e-9)
 
 
-def measure_local_cpu() -> dict[str, Any]:
-    """Measure this machine's CPU rates in well under a second (one thread, except BLAS).
+class Stability:
+    """Collects rounds of rates and says which measurements were unstable."""
 
-    Elementwise ``flops_per_s`` is in the cost model's flop-equivalents: ``np.sin`` counts as
-    :data:`eugo_dask.cost_model.UFUNC_WEIGHTS` ``["sin"]`` per element.
-    """
+    def __init__(self, progress: Progress, *, rounds: int, pause_s: float = 0.2,
+                 retry_budget_s: float = 5.0) -> None:
+        self.progress = progress
+        self.rounds = rounds
+        self.pause_s = pause_s
+        self.retry_budget_s = retry_budget_s  # time all extra rounds together may take
+        self.warnings: list[str] = []
+
+    def rate(self, name: str, once: Callable[[], float]) -> float:
+        """The best of ``rounds`` calls of ``once`` (each a rate: another process can only slow
+        a round down, so the fastest round is the hardware's); one or two more rounds after a
+        pause (within ``retry_budget_s``) where they spread past :data:`UNSTABLE_SPREAD`
+        (:func:`_spread`), and a warning where they still do."""
+        rates = [once() for _ in range(self.rounds)]
+        extra = 0
+        while _spread(rates) > UNSTABLE_SPREAD and extra < 2 and self.retry_budget_s > 0:
+            start = time.perf_counter()
+            time.sleep(self.pause_s)
+            rates.append(once())
+            self.retry_budget_s -= time.perf_counter() - start
+            extra += 1
+        if _spread(rates) > UNSTABLE_SPREAD:
+            message = (f"{name} unstable: {len(rates)} rounds ranged {min(rates):.3g} to "
+                       f"{max(rates):.3g}/s ({max(rates) / min(rates):.1f}x), took the best")
+            self.warnings.append(message)
+            self.progress(f"warning: {message}")
+        return max(rates)
+
+    def summary(self) -> str | None:
+        """One line on what was unstable, or None."""
+        unstable = [w for w in self.warnings if " unstable: " in w]
+        if not unstable:
+            return None
+        return (f"{len(unstable)} measurement(s) stayed unstable over repeated rounds (another "
+                "process may be busy): the figures are the best rounds; calibrate again on an idle machine")
+
+
+def _spread(rates: Sequence[float]) -> float:
+    """How far rounds disagree: max/min, leaving out the one slowest round where there are
+    three or more (a round another process interrupted, which extra rounds outvote)."""
+    kept = sorted(rates)[1:] if len(rates) >= 3 else list(rates)
+    return max(kept) / min(kept) if kept else 1.0
+
+
+def machine_load_warning() -> str | None:
+    """A warning where the 1-minute load average is above the number of cores (another
+    process competes for them), else None."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    cores = os.cpu_count() or 1
+    if load > cores:
+        return (f"load average {load:.1f} on {cores} cores when measuring: other processes compete "
+                "for the CPU and the rates may be low")
+    return None
+
+
+#: Sizes (elements or matrix order) each level measures; prediction accuracy is checked on
+#: sizes not in these lists (benchmarks/prediction_accuracy.py).
+SIZES = {
+    "probe": {"matmul": (256, 1024), "elementwise": (1 << 22,), "fft": (1 << 16,),
+              "reduction": (1 << 22,)},
+    "quick": {"matmul": (128, 512, 1024, 2048),
+              "elementwise": (1 << 15, 1 << 19, 1 << 23),
+              "fft": (1 << 10, 1 << 14, 1 << 18, 1 << 20),
+              "reduction": (1 << 16, 1 << 20, 1 << 24)},
+    "full": {"matmul": (64, 128, 256, 512, 1024, 2048, 4096),
+             "elementwise": (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 23,
+                             1 << 24),
+             "fft": (1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
+             "reduction": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)},
+}
+QUICK_SIZES, FULL_SIZES = SIZES["quick"], SIZES["full"]
+#: Ufunc classes measured for the elementwise rate (one representative each); the probe
+#: measures the memory-bound and transcendental ones.
+UFUNC_CLASSES = {"memory": "add", "divide": "divide", "sqrt": "sqrt", "transcendental": "exp",
+                 "trig": "sin", "power": "power"}
+_PROBE_CLASSES = ("add", "sin")
+# (rounds, timed calls per round, seconds extra rounds may take) per level
+_REPEATS = {"probe": (1, 2, 0.0), "quick": (2, 3, 4.0), "full": (3, 5, 30.0)}
+
+
+def _fit_inverse(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``rate(n) = peak * n / (n + half)`` to (n, rate) points: 1/rate = 1/peak + half/(peak n).
+
+    Returns (peak, half), clamped to sane values."""
+    xs = [1.0 / n for n, _ in points]
+    ys = [1.0 / r for _, r in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    intercept = my - slope * mx
+    if intercept <= 0:  # no saturation seen: take the best rate, no ramp
+        return max(r for _, r in points), 1.0
+    peak = 1.0 / intercept
+    return peak, max(slope * peak, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int | None = None,
+                progress: Progress = print) -> dict[str, Any]:
+    """The ``cpu`` section of a profile, measured here at ``level`` (:data:`LEVELS`).
+
+    ``quick`` (True/False) is the older spelling of ``level="quick"``/``"full"``."""
     from dask.system import CPU_COUNT
 
-    big = np.ones(1 << 23)  # 64 MB: past the caches, as Dask chunks are
-    add_s = best_seconds(partial(np.add, big, 1.0, out=np.empty_like(big)), repeat=3)
-    bandwidth = 2 * big.nbytes / add_s  # read + write traffic
-    n = 1 << 20
-    x32 = np.random.default_rng(0).random(n, dtype=np.float32)
-    x64 = x32.astype(np.float64)
-    flops = {}
-    for dtype, x in (("float32", x32), ("float64", x64)):
-        out = np.empty_like(x)
-        sin_s = best_seconds(partial(np.sin, x, out=out))
-        flops[dtype] = UFUNC_WEIGHTS["sin"] * n / sin_s
-    matmul = {}
+    if quick is not None:
+        level = "quick" if quick else "full"
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {list(LEVELS)}; got {level!r}")
+    sizes = SIZES[level]
+    rounds, repeat, retry_s = _REPEATS[level]
+    stable = Stability(progress, rounds=rounds, retry_budget_s=retry_s)
+    load = machine_load_warning()
+    if load is not None:
+        stable.warnings.append(load)
+        progress(f"warning: {load}")
+    rng = np.random.default_rng(0)
+
+    def rate(name: str, work: float, fn: Callable[[], Any], budget_s: float = 0.4) -> float:
+        fn()  # one warm-up for all rounds
+        return stable.rate(name, lambda: work / best_seconds(fn, repeat=repeat, budget_s=budget_s,
+                                                            warm_up=False))
+
+    progress("cpu: matmul")
+    matmul: dict[str, float] = {}
+    matmul_table: dict[str, dict[str, list[list[float]]]] = {}
+    half = []
     for dtype in ("float32", "float64"):
-        m = np.random.default_rng(1).random((384, 384)).astype(dtype)
-        matmul[dtype] = 2 * 384**3 / best_seconds(partial(np.matmul, m, m))
-    fft = {}
+        points: list[tuple[float, float]] = []
+        for n in sizes["matmul"]:
+            a = rng.random((n, n)).astype(dtype)
+            points.append((n, rate(f"matmul {n}² {dtype}", 2.0 * n**3, partial(np.matmul, a, a))))
+        peak, h = _fit_inverse(points)
+        matmul[dtype] = max(peak if len(points) > 1 else 0.0, max(r for _, r in points))
+        half.append(h)
+        matmul_table[dtype] = {"matmul": [[n, 1.0 / r] for n, r in points]}
+
+    progress("cpu: elementwise (memory-bound, divide, sqrt, exp, sin, power)")
+    flops: dict[str, float] = {}
+    per_element: dict[str, dict[str, list[list[float]]]] = {}
+    bandwidths = []
+    classes = _PROBE_CLASSES if level == "probe" else tuple(UFUNC_CLASSES.values())
+    for dtype in ("float32", "float64"):
+        rates = []
+        per_element[dtype] = {}
+        for name in classes:
+            ufunc = getattr(np, name)
+            per_n: list[list[float]] = []
+            for n in sizes["elementwise"]:
+                x = rng.random(n).astype(dtype) + 0.5
+                y = rng.random(n).astype(dtype) + 0.5
+                # as Dask's chunk functions run: distinct operands, a new result each call
+                args = (x, y) if ufunc.nin == 2 else (x,)
+                elements = rate(f"{name} {n:,} {dtype}", float(n), partial(ufunc, *args))
+                per_n.append([n, 1.0 / elements * (3 / (ufunc.nin + 1))])
+                if n >= 1 << 20:  # past the caches, as most chunks are
+                    if name == "add":
+                        bandwidths.append(3 * x.itemsize * elements)  # two reads, one write
+                    else:
+                        rates.append(UFUNC_WEIGHTS[name] * elements)
+            per_element[dtype][name] = per_n
+        flops[dtype] = statistics.median(rates)
+
+    progress("cpu: fft")
+    fft: dict[str, float] = {}
+    fft_table: dict[str, dict[str, list[list[float]]]] = {}
     for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
-        z = (np.random.default_rng(2).random((256, 256)) + 0j).astype(ctype)
-        fft[dtype] = 5 * z.size * np.log2(z.size) / best_seconds(partial(np.fft.fft2, z))
-    overhead = best_seconds(lambda: np.add(x32[:8], 1), repeat=50)
-    return {
+        per_flop: list[list[float]] = []
+        for n in sizes["fft"]:
+            z = (rng.random(n) + 1j * rng.random(n)).astype(ctype)
+            per_flop.append([n, 1.0 / rate(f"fft {n:,} {dtype}", 5 * n * math.log2(n),
+                                           partial(np.fft.fft, z))])
+        fft[dtype] = 1.0 / statistics.median(p[1] for p in per_flop)
+        fft_table[dtype] = {"fft": per_flop}
+
+    progress("cpu: reductions")
+    reduction_bw = []
+    reduction_table: dict[str, dict[str, list[list[float]]]] = {}
+    for dtype in ("float32", "float64"):
+        per_element_sum: list[list[float]] = []
+        for n in sizes["reduction"]:
+            x = rng.random(n).astype(dtype)
+            elements = rate(f"sum {n:,} {dtype}", float(n), x.sum)
+            per_element_sum.append([n, 1.0 / elements])
+            if n >= 1 << 20 and dtype == "float64":
+                reduction_bw.append(x.itemsize * elements)
+        reduction_table[dtype] = {"sum": per_element_sum}
+
+    progress("cpu: per-task overhead of Dask's scheduler")
+    overhead = _dask_task_overhead({"probe": 50, "quick": 100, "full": 1000}[level])
+    label = {"probe": "measured", "quick": "calibrated", "full": "calibrated"}[level]
+    section: dict[str, Any] = {
         "name": platform.processor() or platform.machine() or "local-cpu",
-        "source": f"measured {time.strftime('%Y-%m-%d')} on {platform.node()} (quick)",
-        "threads": int(CPU_COUNT),
-        "memory_bandwidth_bytes_per_s": bandwidth,
+        "source": f"{label} {time.strftime('%Y-%m-%d')} on {platform.node()}"
+                  + ("" if level == "full" else f" ({level})"),
+        "threads": int(threads or CPU_COUNT),
+        "memory_bandwidth_bytes_per_s": statistics.median(bandwidths),
+        "reduction_bandwidth_bytes_per_s": statistics.median(reduction_bw or bandwidths),
         "flops_per_s": flops,
         "matmul_flops_per_s": matmul,
+        "matmul_half_n": statistics.median(half),
+        "matmul_s_per_flop": matmul_table,
         "fft_flops_per_s": fft,
+        "elementwise_s_per_element": per_element,
+        "fft_s_per_flop": fft_table,
+        "reduction_s_per_element": reduction_table,
         "task_overhead_s": max(overhead, 1e-6),
     }
+    if stable.warnings:
+        section["warnings"] = stable.warnings
+        summary = stable.summary()
+        if summary is not None:
+            progress(f"warning: {summary}")
+    return section
+
+
+def measure_local_cpu() -> dict[str, Any]:
+    """This machine's CPU at the ``probe`` level (well under 2 s): what a profile without a
+    ``cpu`` section uses (cached per machine by :func:`cached_local_cpu`)."""
+    return measure_cpu(level="probe", progress=lambda message: None)
 
 
 def cpu_cache_path() -> Path:
@@ -113,131 +324,6 @@ def cached_local_cpu(*, accept: Callable[[dict[str, Any]], bool] = lambda data: 
     return data
 
 
-#: Sizes (elements or matrix order) the calibration measures; prediction accuracy is checked on
-#: sizes not in these lists.
-QUICK_SIZES = {"matmul": (64, 256, 512),
-               "elementwise": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22, 1 << 23),
-               "fft": (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
-               "reduction": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)}
-FULL_SIZES = {"matmul": (32, 64, 128, 256, 512, 1024, 2048),
-              "elementwise": (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 21, 1 << 22,
-                              1 << 23, 1 << 24),
-              "fft": (1 << 8, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20),
-              "reduction": (1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)}
-#: Ufunc classes measured for the elementwise rate (one representative each).
-UFUNC_CLASSES = {"memory": "add", "divide": "divide", "sqrt": "sqrt", "transcendental": "exp",
-                 "trig": "sin", "power": "power"}
-
-
-def _fit_inverse(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """Fit ``rate(n) = peak * n / (n + half)`` to (n, rate) points: 1/rate = 1/peak + half/(peak n).
-
-    Returns (peak, half), clamped to sane values."""
-    xs = [1.0 / n for n, _ in points]
-    ys = [1.0 / r for _, r in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    intercept = my - slope * mx
-    if intercept <= 0:  # no saturation seen: take the best rate, no ramp
-        return max(r for _, r in points), 1.0
-    peak = 1.0 / intercept
-    return peak, max(slope * peak, 1.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU
-# ---------------------------------------------------------------------------------------------
-def measure_cpu(*, quick: bool, threads: int | None = None, progress: Progress = print) -> dict[str, Any]:
-    """The ``cpu`` section of a profile, measured here."""
-    from dask.system import CPU_COUNT
-
-    sizes = QUICK_SIZES if quick else FULL_SIZES
-    repeat = 9 if quick else 15  # best of many: robust to a shared, noisy machine
-    rng = np.random.default_rng(0)
-    samples: dict[str, list] = {}
-
-    progress("cpu: matmul")
-    matmul: dict[str, float] = {}
-    half = []
-    for dtype in ("float32", "float64"):
-        points: list[tuple[float, float]] = []
-        for n in sizes["matmul"]:
-            a = rng.random((n, n)).astype(dtype)
-            points.append((n, 2.0 * n**3 / best_seconds(partial(np.matmul, a, a), repeat=repeat)))
-        matmul[dtype], h = _fit_inverse(points)
-        half.append(h)
-        samples[f"matmul {dtype}"] = points
-
-    progress("cpu: elementwise (memory-bound, divide, sqrt, exp, sin, power)")
-    flops: dict[str, float] = {}
-    per_element: dict[str, dict[str, list[list[float]]]] = {}
-    bandwidths = []
-    for dtype in ("float32", "float64"):
-        rates = []
-        per_element[dtype] = {}
-        for name in UFUNC_CLASSES.values():
-            ufunc = getattr(np, name)
-            per_n: list[list[float]] = []
-            for n in sizes["elementwise"]:
-                x = rng.random(n).astype(dtype) + 0.5
-                # two operands for every class, so classes compare at the same memory traffic
-                args = (x, x) if ufunc.nin == 2 else (x, x)[: ufunc.nin]
-                seconds = best_seconds(partial(ufunc, *args), repeat=repeat)
-                per_n.append([n, seconds / n * (3 / (ufunc.nin + 1))])
-                if n >= 1 << 20:  # past the caches, as most chunks are
-                    if name == "add":
-                        bandwidths.append(3 * x.nbytes / seconds)
-                    else:
-                        rates.append(UFUNC_WEIGHTS[name] * n / seconds)
-            per_element[dtype][name] = per_n
-        flops[dtype] = statistics.median(rates)
-
-    progress("cpu: fft")
-    fft: dict[str, float] = {}
-    fft_table: dict[str, dict[str, list[list[float]]]] = {}
-    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
-        per_flop: list[list[float]] = []
-        for n in sizes["fft"]:
-            z = (rng.random(n) + 1j * rng.random(n)).astype(ctype)
-            flop = 5 * n * math.log2(n)
-            per_flop.append([n, best_seconds(partial(np.fft.fft, z), repeat=repeat) / flop])
-        fft[dtype] = 1.0 / statistics.median(p[1] for p in per_flop)
-        fft_table[dtype] = {"fft": per_flop}
-
-    progress("cpu: reductions")
-    reduction_bw = []
-    reduction_table: dict[str, dict[str, list[list[float]]]] = {}
-    for dtype in ("float32", "float64"):
-        per_element_sum: list[list[float]] = []
-        for n in sizes["reduction"]:
-            x = rng.random(n).astype(dtype)
-            seconds = best_seconds(x.sum, repeat=repeat)
-            per_element_sum.append([n, seconds / n])
-            if n >= 1 << 20 and dtype == "float64":
-                reduction_bw.append(x.nbytes / seconds)
-        reduction_table[dtype] = {"sum": per_element_sum}
-
-    progress("cpu: per-task overhead of Dask's scheduler")
-    overhead = _dask_task_overhead(100 if quick else 1000)
-    return {
-        "name": platform.processor() or platform.machine() or "local-cpu",
-        "source": f"calibrated {time.strftime('%Y-%m-%d')} on {platform.node()}"
-                  + (" (quick)" if quick else ""),
-        "threads": int(threads or CPU_COUNT),
-        "memory_bandwidth_bytes_per_s": statistics.median(bandwidths),
-        "reduction_bandwidth_bytes_per_s": statistics.median(reduction_bw or bandwidths),
-        "flops_per_s": flops,
-        "matmul_flops_per_s": matmul,
-        "matmul_half_n": statistics.median(half),
-        "fft_flops_per_s": fft,
-        "elementwise_s_per_element": per_element,
-        "fft_s_per_flop": fft_table,
-        "reduction_s_per_element": reduction_table,
-        "task_overhead_s": overhead,
-    }
-
-
 def _dask_task_overhead(n_tasks: int) -> float:
     """Seconds per no-op task through Dask's synchronous scheduler (dispatch, bookkeeping)."""
     import dask
@@ -251,81 +337,208 @@ def _dask_task_overhead(n_tasks: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # GPU and link (CuPy)
 # ---------------------------------------------------------------------------------------------
-def measure_gpu(*, quick: bool, progress: Progress = print) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``gpu`` and ``link`` sections, measured on CUDA device 0."""
-    cupy = import_cupy()
-    sync = cupy.cuda.Device().synchronize
-    repeat = 5 if quick else 20
-    props = cupy.cuda.runtime.getDeviceProperties(0)
-    progress(f"gpu: {cupy_device_name()}")
+#: Copy sizes (bytes) the link is measured at, by level.
+LINK_SIZES = {"quick": (1 << 20, 1 << 24, 1 << 28), "full": (1 << 20, 1 << 24, 1 << 28, 1 << 30)}
 
-    progress("link: host->device and device->host, pageable and pinned")
-    sizes = (1 << 20, 1 << 24) if quick else (1 << 20, 1 << 24, 1 << 28)
-    rates: dict[str, list[float]] = {"h2d": [], "d2h": [], "pinned_h2d": [], "pinned_d2h": []}
-    for nbytes in sizes:
-        host = np.ones(nbytes, dtype=np.uint8)
-        dev = cupy.empty(nbytes, dtype=np.uint8)
-        pinned_mem = cupy.cuda.alloc_pinned_memory(nbytes)
-        pinned = np.frombuffer(pinned_mem, np.uint8, nbytes)
-        pinned[:] = 1
-        copies = {"h2d": partial(dev.set, host), "d2h": partial(dev.get, out=host),
-                  "pinned_h2d": partial(dev.set, pinned), "pinned_d2h": partial(dev.get, out=pinned)}
-        for kind, copy in copies.items():
-            rates[kind].append(nbytes / best_seconds(copy, repeat=repeat, sync=sync))
-    tiny = np.ones(8, dtype=np.uint8)
-    tiny_dev = cupy.asarray(tiny)
-    latency = best_seconds(lambda: tiny_dev.set(tiny), repeat=repeat * 5, sync=sync)
+_FIRST_USE = """
+import sys, time
+import cupy
+start = time.perf_counter()
+x = cupy.arange(1024, dtype=cupy.float32)               # context, module load, allocation
+kernel = cupy.ElementwiseKernel("float32 x", "float32 y", "y = x * %r + 1",
+                                "eugo_first_use_%d")   # a kernel no cache holds: NVRTC compiles it
+y = kernel(x)
+cupy.cuda.get_current_stream().synchronize()
+print(time.perf_counter() - start)
+"""
 
-    progress("gpu: call and kernel-launch overhead")
-    small = cupy.ones(8, dtype=np.float32)
-    call = best_seconds(lambda: cupy.add(small, 1), repeat=repeat * 5, sync=sync)
-    kernel = cupy.ElementwiseKernel("float32 x", "float32 y", "y = x + 1", "eugo_noop")
-    launch = best_seconds(lambda: kernel(small), repeat=repeat * 5, sync=sync)
 
-    progress("gpu: memory bandwidth, elementwise and GEMM rates")
-    n = 1 << (24 if quick else 27)
-    x = cupy.ones(n, dtype=np.float32)
-    bandwidth = 3 * x.nbytes / best_seconds(lambda: cupy.add(x, x), repeat=repeat, sync=sync)
-    flops = {}
-    matmul = {}
-    for dtype in ("float16", "float32", "float64"):
-        y = cupy.ones(n, dtype=dtype) * 0.5
-        flops[dtype] = UFUNC_WEIGHTS["sin"] * n / best_seconds(partial(cupy.sin, y), repeat=repeat, sync=sync)
-        m = 4096 if quick else 8192
-        a = cupy.ones((m, m), dtype=dtype)
-        matmul[dtype] = 2 * m**3 / best_seconds(partial(cupy.matmul, a, a), repeat=max(2, repeat // 4), sync=sync)
-        del a, y
+def measure_link(device: CupyDevice, *, sizes: Sequence[int], repeat: int = 3,
+                 progress: Progress = print) -> dict[str, Any]:
+    """Copy rates on the runtime's own path (:meth:`CupyDevice.to_device`/``to_host``: staged
+    through pinned buffers, into a new host array for each copy back, as a task does) and on
+    raw DMA from and to a warm pinned buffer, at each size in ``sizes`` (bytes), plus the
+    latency of an 8-byte copy. Returns ``{"sizes": [...], "h2d": [...], ... (bytes per second)}``."""
+    cupy = device.cupy
+    out: dict[str, Any] = {"sizes": list(sizes), "h2d": [], "d2h": [], "pinned_h2d": [],
+                           "pinned_d2h": []}
+    with cupy.cuda.Device(0):
+        for nbytes in sizes:
+            for kind, rate in _link_rates(device, nbytes, repeat).items():
+                out[kind].append(rate)
+            progress(f"link: {nbytes / (1 << 20):7.0f} MiB  h2d {out['h2d'][-1] / 1e9:6.1f} GB/s  "
+                     f"d2h {out['d2h'][-1] / 1e9:6.1f} GB/s  pinned {out['pinned_h2d'][-1] / 1e9:6.1f}/"
+                     f"{out['pinned_d2h'][-1] / 1e9:6.1f} GB/s")
+        tiny = np.ones(1, dtype=np.float64)
+        out["latency_s"] = best_seconds(lambda: device.to_device(tiny, 0), repeat=20)
+    return out
 
-    progress("gpu: cuFFT plan creation")
-    def plan_cost(shape: tuple[int, ...]) -> float:
-        z = cupy.ones(shape, dtype=np.complex64)
-        cupy.fft.config.get_plan_cache().clear()
+
+def _link_rates(device: CupyDevice, nbytes: int, repeat: int) -> dict[str, float]:
+    cupy = device.cupy
+    pinned = cupy.cuda.pinned_memory
+    stream = cupy.cuda.get_current_stream()
+    host = np.ones(nbytes, dtype=np.uint8)  # a Dask chunk: pageable, already touched
+    dev = device.to_device(host, 0)
+    buffer = pinned.PinnedMemoryPointer(pinned.PinnedMemory(nbytes), 0)
+    budget = max(0.5, 4 * nbytes / 1e10)
+
+    def pinned_h2d() -> None:
+        dev.data.copy_from_host_async(buffer.ptr, nbytes, stream)
+        stream.synchronize()
+
+    def pinned_d2h() -> None:
+        dev.data.copy_to_host_async(buffer.ptr, nbytes, stream)
+        stream.synchronize()
+
+    copies = {"h2d": lambda: device.to_device(host, 0), "d2h": lambda: device.to_host(dev),
+              "pinned_h2d": pinned_h2d, "pinned_d2h": pinned_d2h}
+    return {kind: nbytes / best_seconds(copy, repeat=repeat, budget_s=budget) for kind, copy in copies.items()}
+
+
+def measure_first_use(cupy: Any, device: CupyDevice) -> tuple[float, float]:
+    """(first_use_s, thread_setup_s): a fresh process's CUDA context, module load and first
+    NVRTC compile, timed in a subprocess; and what a new worker thread pays on its first task
+    (its stream, cuBLAS handle and cuFFT plan) beyond the same work warm."""
+    code = _FIRST_USE % (time.time() % 1, os.getpid())
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, check=True)
+        first_use = float(done.stdout.split()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        first_use = float("nan")
+    seconds: list[float] = []
+
+    def first_task() -> None:
+        a = cupy.ones((64, 64), dtype=np.float32)
+
+        def work() -> None:
+            with device.task(0):
+                _ = a @ a
+                _ = cupy.fft.fft(a[0])
+
         start = time.perf_counter()
-        cupy.fft.fft2(z)
-        sync()
-        first = time.perf_counter() - start
-        again = best_seconds(lambda: cupy.fft.fft2(z), repeat=repeat, sync=sync)
-        return max(first - again, 0.0)
+        work()
+        cold = time.perf_counter() - start
+        seconds.append(max(cold - best_seconds(work, repeat=5), 0.0))
 
-    fft_plan = statistics.median(plan_cost((s, s)) for s in (512, 1024, 2048))
+    thread = threading.Thread(target=first_task)
+    thread.start()
+    thread.join()
+    return first_use, (seconds[0] if seconds else float("nan"))
+
+
+def _device_rates(cupy: Any, n: int, m: int, points: int, stable: Stability, repeat: int,
+                  sync: Callable[[], None]) -> tuple[float, dict[str, float], dict[str, float], dict[str, float]]:
+    """Achieved bandwidth (bytes/s), sin rate, GEMM rate and FFT rate (flop-equivalents/s)."""
+    def rate(name: str, work: float, fn: Callable[[], Any], calls: int = repeat) -> float:
+        return stable.rate(name, lambda: work / best_seconds(fn, repeat=calls, sync=sync))
+
+    x, y, z = (cupy.ones(n, dtype=np.float32) for _ in range(3))
+    bandwidth = max(rate("gpu add", 3 * x.nbytes, partial(cupy.add, x, y, out=z)),  # two reads, a write
+                    rate("gpu copy", 2 * x.nbytes, partial(cupy.copyto, z, x)))   # a read, a write
+    flops: dict[str, float] = {}
+    matmul: dict[str, float] = {}
+    for dtype in ("float16", "float32", "float64"):
+        v = cupy.ones(n, dtype=dtype) * 0.5
+        flops[dtype] = rate(f"gpu sin {dtype}", UFUNC_WEIGHTS["sin"] * n, partial(cupy.sin, v))
+        a = cupy.ones((m, m), dtype=dtype)
+        matmul[dtype] = rate(f"gpu matmul {dtype}", 2.0 * m**3, partial(cupy.matmul, a, a),
+                             max(2, repeat // 2))
+    fft: dict[str, float] = {}
+    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
+        w = cupy.ones(points, dtype=ctype)
+        fft[dtype] = rate(f"gpu fft {dtype}", 5 * points * math.log2(points), partial(cupy.fft.fft, w))
+    return bandwidth, flops, matmul, fft
+
+
+def measure_gpu(*, quick: bool, progress: Progress = print,
+                settings: DeviceSettings | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``gpu`` and ``link`` sections, measured on CUDA device 0 on the runtime's own paths.
+
+    Bandwidth is that of ``add(x, y, out=z)`` (three arrays: two reads and a write) or of a copy
+    (a read and a write), whichever is higher; ``call_overhead_s`` is the host's cost per call in
+    a stream of back-to-back calls and ``kernel_launch_s`` what a lone call adds until its result
+    is ready; ``h2d``/``d2h`` are the runtime's staged copies and ``pinned_*`` raw DMA; FFT rate,
+    first use (context, NVRTC compile) and per-thread set-up are measured too. The figures are
+    achieved rates: the section says ``measured: true`` and the cost model applies no
+    efficiency factors."""
+    cupy = import_cupy()
+    device = CupyDevice(cupy, settings or DeviceSettings(), count=1)
+    level = "quick" if quick else "full"
+    stable = Stability(progress, rounds=1 if quick else 2)
+    repeat = 5 if quick else 10
+    props = cupy.cuda.runtime.getDeviceProperties(0)
     name = cupy_device_name() or "CUDA device 0"
-    gpu = {
+    progress(f"gpu: {name}")
+
+    progress("link: the runtime's staged copies and raw pinned DMA")
+    link_rates = measure_link(device, sizes=LINK_SIZES[level], progress=progress)
+
+    with cupy.cuda.Device(0):
+        sync = cupy.cuda.get_current_stream().synchronize
+
+        progress("gpu: call and kernel-launch overhead")
+        small = cupy.ones(8, dtype=np.float32)
+        small_out = cupy.empty_like(small)
+        calls = 200
+
+        def back_to_back() -> None:
+            for _ in range(calls):
+                cupy.add(small, 1, out=small_out)
+
+        call = best_seconds(back_to_back, repeat=repeat, sync=sync) / calls
+        lone = best_seconds(lambda: cupy.add(small, 1, out=small_out), repeat=repeat * 10, sync=sync)
+
+        progress("gpu: memory bandwidth, elementwise, GEMM and FFT rates")
+        n = 1 << (25 if quick else 27)
+        bandwidth, flops, matmul, fft = _device_rates(cupy, n, 4096 if quick else 8192,
+                                                      1 << (20 if quick else 22), stable, repeat, sync)
+
+        progress("gpu: cuFFT plan creation, first use, a new thread's set-up")
+
+        def plan_cost(shape: tuple[int, ...]) -> float:
+            q = cupy.ones(shape, dtype=np.complex64)
+            cupy.fft.config.get_plan_cache().clear()
+            start = time.perf_counter()
+            cupy.fft.fft2(q)
+            sync()
+            first = time.perf_counter() - start
+            again = best_seconds(lambda: cupy.fft.fft2(q), repeat=repeat, sync=sync)
+            return max(first - again, 0.0)
+
+        fft_plan = statistics.median(plan_cost((s, s)) for s in (384, 768, 1536))
+    first_use, thread_setup = measure_first_use(cupy, device)
+    device.release_memory()
+    gpu: dict[str, Any] = {
         "name": name,
+        "source": f"calibrated {time.strftime('%Y-%m-%d')} on {platform.node()}"
+                  + (" (quick)" if quick else ""),
+        "measured": True,
         "count": int(cupy.cuda.runtime.getDeviceCount()),
         "memory_bytes": float(props["totalGlobalMem"]),
         "memory_bandwidth_bytes_per_s": bandwidth,
         "flops_per_s": flops,
         "matmul_flops_per_s": matmul,
-        "call_overhead_s": max(call - launch, 0.0),
-        "kernel_launch_s": launch,
+        "fft_flops_per_s": fft,
+        "call_overhead_s": call,
+        "kernel_launch_s": max(lone - call, 0.0),
         "fft_plan_s": fft_plan,
     }
+    if math.isfinite(first_use):
+        gpu["first_use_s"] = first_use
+    if math.isfinite(thread_setup):
+        gpu["thread_setup_s"] = thread_setup
+    largest = -1  # the largest size: what chunks of tens to hundreds of MiB see
     link = {
-        "name": f"host link of {name}",
-        "h2d_bytes_per_s": max(rates["h2d"]),
-        "d2h_bytes_per_s": max(rates["d2h"]),
-        "pinned_h2d_bytes_per_s": max(rates["pinned_h2d"]),
-        "pinned_d2h_bytes_per_s": max(rates["pinned_d2h"]),
-        "latency_s": latency,
+        "name": f"host link of {name} (eugo's staged copies, {device.settings.staging_bytes >> 20} MiB "
+                "pinned buffers)",
+        "h2d_bytes_per_s": link_rates["h2d"][largest],
+        "d2h_bytes_per_s": link_rates["d2h"][largest],
+        "pinned_h2d_bytes_per_s": max(link_rates["pinned_h2d"]),
+        "pinned_d2h_bytes_per_s": max(link_rates["pinned_d2h"]),
+        "latency_s": link_rates["latency_s"],
     }
+    if stable.warnings:
+        gpu["source"] += "; unstable: " + "; ".join(stable.warnings)
     return gpu, link

@@ -2,8 +2,10 @@
 
 A profile is selected with ``dask.config.set({"eugo.profile": NAME_OR_PATH_OR_DICT})``:
 
-- a preset name (``h200``, ``h100-sxm``, ``h100-pcie``, ``a100``, ``l4``, ``t4``): GPU and link
-  figures from spec sheets, shipped as YAML under ``eugo_dask/profiles/``;
+- a preset name (``h200``, ``h100-sxm``, ``h100-pcie``, ``a100``, ``gh200``, ``l40s``, ``l4``,
+  ``t4``): GPU and link figures from spec sheets, shipped as YAML under ``eugo_dask/profiles/``;
+  :func:`preset_for_device` matches a CUDA device's exact model name to one (:data:`DEVICE_MODELS`)
+  and takes the memory from the device;
 - a path to a YAML or JSON file in the same format (what ``eugo-dask calibrate`` will write);
 - a dict in the same format; ``base: PRESET`` starts from a preset and overrides its fields.
 
@@ -35,7 +37,7 @@ from eugo_dask.measure import cached_local_cpu
 from eugo_dask.ops import UFUNC_CLASS
 
 #: GPU presets shipped with the package (spec-sheet figures).
-PRESETS = ("a100", "h100-pcie", "h100-sxm", "h200", "l4", "t4")
+PRESETS = ("a100", "gh200", "h100-pcie", "h100-sxm", "h200", "l40s", "l4", "t4")
 #: CPU presets shipped with the package (assumed figures for dry runs).
 CPU_PRESETS = ("server-x86",)
 
@@ -53,6 +55,15 @@ _GPU_FIELDS = {
     "call_overhead_s": "non-negative",
     "kernel_launch_s": "non-negative",
     "fft_plan_s": "non-negative",
+    "source": "str?",
+    # figures measured on the device (calibrate): no efficiency factors apply
+    "measured": "bool?",
+    # measured FFT rate (5 n log2 n per second); else a share of flops_per_s
+    "fft_flops_per_s": "rates?",
+    # once per process (context, first kernel compile) and once per worker thread and device
+    # (cuBLAS handle, stream, FFT plan cache): measured by calibrate
+    "first_use_s": "non-negative?",
+    "thread_setup_s": "non-negative?",
 }
 _LINK_FIELDS = {
     "name": "str",
@@ -73,6 +84,8 @@ _CPU_FIELDS = {
     "task_overhead_s": "non-negative",
     "reduction_bandwidth_bytes_per_s": "positive?",
     "matmul_half_n": "positive?",
+    "matmul_s_per_flop": "class-rates?",
+    "warnings": "str-list?",
     "elementwise_s_per_element": "class-rates?",
     "fft_s_per_flop": "class-rates?",
     "reduction_s_per_element": "class-rates?",
@@ -112,6 +125,13 @@ class GPUProfile:
     call_overhead_s: float
     kernel_launch_s: float
     fft_plan_s: float
+    source: str | None = None
+    #: True where the figures were measured on the device (calibrate): achieved rates, to which
+    #: the cost model applies no spec-sheet efficiency factors
+    measured: bool = False
+    fft_flops_per_s: Rates | None = None
+    first_use_s: float | None = None
+    thread_setup_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +160,15 @@ class CPUProfile:
     matmul_half_n: float | None = None
     #: measured seconds per element of a binary call, by dtype and ufunc class (calibrate)
     elementwise_s_per_element: Mapping[str, Mapping[str, float]] | None = None
+    #: measured seconds per matmul flop by dtype and matrix order (calibrate: up to 2048-4096)
+    matmul_s_per_flop: Mapping[str, Mapping[str, Any]] | None = None
+    #: what the measurement noticed (unstable rounds, a busy machine)
+    warnings: tuple[str, ...] | None = None
+
+    def matmul_seconds_per_flop(self, dtype: np.dtype, n: float) -> float | None:
+        """Calibrated seconds per matmul flop at ``dtype`` and matrix order ``n`` (interpolated;
+        held flat past the largest size measured), or None where not measured."""
+        return _lookup(self.matmul_s_per_flop, dtype, "matmul", int(max(n, 1)))
 
     #: measured seconds per FFT flop (5 n log2 n) by dtype and size (calibrate)
     fft_s_per_flop: Mapping[str, Mapping[str, Any]] | None = None
@@ -228,6 +257,12 @@ def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
         if kind == "str":
             if not isinstance(value, str):
                 raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
+        elif kind == "str-list":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ProfileError(f"{_CONFIG_KEY}: {where} must be a list of strings; got {value!r}")
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise ProfileError(f"{_CONFIG_KEY}: {where} must be true or false; got {value!r}")
         elif kind == "class-rates":
             if not isinstance(value, Mapping) or not all(
                 isinstance(v, Mapping) for v in value.values()
@@ -393,8 +428,8 @@ def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "str": str, "count": int, "positive": float, "non-negative": float, "rates": _rates,
-    "class-rates": _class_rates,
+    "str": str, "bool": bool, "str-list": tuple, "count": int, "positive": float,
+    "non-negative": float, "rates": _rates, "class-rates": _class_rates,
 }
 
 
@@ -455,3 +490,65 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
         except OSError:
             pass  # profile_dict names the problem
     return _load_cached(frozen, mtime_ns)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA devices -> presets
+# ---------------------------------------------------------------------------------------------
+#: CUDA device names (exactly as ``cudaGetDeviceProperties`` reports them) -> (preset, the
+#: model's own figures where they differ from the preset's). Names are matched exactly: an
+#: unknown model is never priced as a look-alike ("L40S" is not an "L4").
+DEVICE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "NVIDIA H200": ("h200", {}),
+    "NVIDIA H200 NVL": ("h200", {"gpu": {"name": "NVIDIA H200 NVL",
+                                         "flops_per_s": {"float16": 6.0e13, "float32": 6.0e13,
+                                                         "float64": 3.0e13},
+                                         "matmul_flops_per_s": {"float16": 8.36e14, "float32": 6.0e13,
+                                                                "float64": 6.0e13}}}),
+    "NVIDIA H100 80GB HBM3": ("h100-sxm", {}),
+    "NVIDIA H100 PCIe": ("h100-pcie", {}),
+    "NVIDIA H100 NVL": ("h100-sxm", {"gpu": {"name": "NVIDIA H100 NVL",
+                                             "memory_bandwidth_bytes_per_s": 3.9e12,
+                                             "flops_per_s": {"float16": 6.0e13, "float32": 6.0e13,
+                                                             "float64": 3.0e13}}}),
+    "NVIDIA A100-SXM4-80GB": ("a100", {}),
+    "NVIDIA A100-SXM4-40GB": ("a100", {"gpu": {"name": "NVIDIA A100 SXM4 40GB",
+                                               "memory_bandwidth_bytes_per_s": 1.555e12}}),
+    "NVIDIA A100-PCIE-40GB": ("a100", {"gpu": {"name": "NVIDIA A100 PCIe 40GB",
+                                               "memory_bandwidth_bytes_per_s": 1.555e12}}),
+    "NVIDIA A100 80GB PCIe": ("a100", {"gpu": {"name": "NVIDIA A100 PCIe 80GB",
+                                               "memory_bandwidth_bytes_per_s": 1.935e12}}),
+    "NVIDIA GH200 480GB": ("gh200", {}),
+    "NVIDIA GH200 144G HBM3e": ("gh200", {"gpu": {"name": "NVIDIA GH200 144GB HBM3e",
+                                                  "memory_bandwidth_bytes_per_s": 4.9e12}}),
+    "NVIDIA L40S": ("l40s", {}),
+    "NVIDIA L40": ("l40s", {"gpu": {"name": "NVIDIA L40 48GB",
+                                    "flops_per_s": {"float16": 9.05e13, "float32": 9.05e13,
+                                                    "float64": 1.41e12},
+                                    "matmul_flops_per_s": {"float16": 1.81e14, "float32": 9.05e13,
+                                                           "float64": 1.41e12}}}),
+    "NVIDIA L4": ("l4", {}),
+    "Tesla T4": ("t4", {}),
+}
+#: The preset an unknown CUDA model is priced with (its memory read from the device).
+UNKNOWN_DEVICE_PRESET = "h200"
+
+
+def preset_for_device(name: str, *, memory_bytes: float | None = None,
+                      count: int | None = None) -> tuple[dict[str, Any], bool]:
+    """The profile spec for a CUDA device called ``name`` (matched exactly, surrounding spaces
+    aside, against :data:`DEVICE_MODELS`), with ``memory_bytes`` and ``count`` read from the
+    device. Returns (spec, known): an unknown model gets :data:`UNKNOWN_DEVICE_PRESET`'s
+    figures and ``known`` False, so the caller can say to calibrate."""
+    preset, overrides = DEVICE_MODELS.get(name.strip(), (UNKNOWN_DEVICE_PRESET, None))
+    gpu: dict[str, Any] = dict((overrides or {}).get("gpu", {}))
+    if overrides is None:
+        gpu["name"] = f"{name.strip()} (unknown model, priced as {preset})"
+    if memory_bytes:
+        gpu["memory_bytes"] = float(memory_bytes)
+    if count:
+        gpu["count"] = int(count)
+    spec: dict[str, Any] = {"base": preset}
+    if gpu:
+        spec["gpu"] = gpu
+    return spec, overrides is not None

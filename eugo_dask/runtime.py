@@ -37,8 +37,18 @@ import numpy as np
 from dask._task_spec import DataNode, Task
 from dask.utils import funcname
 
-from eugo_dask.config import emulated_memory_limit, process_device
-from eugo_dask.devices import CupyDevice, Device, _stats, cupy_device_count, import_cupy
+from eugo_dask.config import device_settings, emulated_device_count, emulated_memory_limit, process_device
+from eugo_dask.devices import (
+    CupyDevice,
+    Device,
+    DeviceSettings,
+    _stats,
+    cupy_device_count,
+    cupy_unusable_reason,
+    import_cupy,
+    install_device_accounting,
+    map_arrays,
+)
 from eugo_dask.emulated import EmulatedDevice, EmulatedDeviceArray, set_rebuild_device, set_receive
 from eugo_dask.graph import Fused, fused
 from eugo_dask.ops import device_dtype_ok
@@ -56,7 +66,7 @@ EVENT_TOPIC = "eugo"
 # ---------------------------------------------------------------------------------------------
 # The devices of this process
 # ---------------------------------------------------------------------------------------------
-_devices: dict[tuple[str, int], Device] = {}
+_devices: dict[tuple[str, int, int, DeviceSettings], Device] = {}
 _devices_lock = threading.Lock()
 
 
@@ -64,26 +74,45 @@ def get_device(name: str) -> Device | None:
     """The device called ``name`` in this process, or None where it is not usable here.
 
     Tasks call this at run time: a GPU-planned task on a worker without the device runs its
-    CPU path instead.
+    CPU path instead. A CuPy device covers every GPU the process sees, each probed once; a
+    worker that uses one weighs its stored values by host bytes only.
     """
     if name == "emulated":
-        key = (name, emulated_memory_limit())
+        key = (name, emulated_memory_limit(), emulated_device_count(), device_settings())
     elif name == "cupy":
-        key = (name, 0)
+        key = (name, 0, 0, device_settings())
     else:
         return None
     device = _devices.get(key)
-    if device is not None:
-        return device
-    with _devices_lock:
-        if key not in _devices:
-            if name == "emulated":
-                _devices[key] = EmulatedDevice(key[1])
-            elif cupy_device_count():
-                _devices[key] = CupyDevice(import_cupy())
-            else:
-                return None
-        return _devices[key]
+    if device is None:
+        with _devices_lock:
+            if key not in _devices:
+                if name == "emulated":
+                    _devices[key] = EmulatedDevice(key[1], count=key[2], settings=key[3])
+                elif cupy_device_count():
+                    cupy_device = CupyDevice(import_cupy(), key[3])
+                    reason = cupy_device.probe()  # every GPU of the process, once
+                    if reason is not None:
+                        cupy_device.disable(reason)
+                    _devices[key] = cupy_device
+                else:
+                    return None
+            device = _devices[key]
+    worker = _current_worker()
+    if worker is not None:
+        # its spill buffer weighs values by host bytes only (idempotent, per worker), and
+        # eugo's worker plugin drives the idle release from its event loop: no thread of
+        # eugo's outlives a worker (a worker without the plugin keeps its pools, as CuPy does)
+        install_device_accounting(worker)
+        device.idle_release_externally()
+    return device
+
+
+def release_idle_devices() -> None:
+    """Give back the pools of this process's devices that sat idle for ``eugo.device-idle-release``
+    (a worker's periodic callback calls this)."""
+    for device in list(_devices.values()):
+        device.release_if_idle()
 
 
 def _emulated_device() -> EmulatedDevice:
@@ -111,7 +140,22 @@ def usable_device(name: str) -> Device | None:
         return None
     if local == "none" or (name == "emulated") != (local == "emulated"):
         return None
-    return get_device(name)
+    device = get_device(name)
+    if device is None and local == "cupy":
+        _say_once(f"eugo.device is 'cupy' here but no CUDA device can run GPU tasks: "
+                  f"{cupy_unusable_reason()}; GPU-planned tasks run their CPU path")
+    if device is not None and device.unusable_reason is not None:
+        return None  # switched off in this process (Device.disable said why)
+    return device
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logger.warning("eugo: %s", message)
 
 
 def why_no_device(name: str) -> str:
@@ -127,8 +171,11 @@ def why_no_device(name: str) -> str:
         return f"planned for the emulated device; this worker's eugo.device is {local!r}"
     if name != "emulated" and local == "emulated":
         return f"planned for {name}; this worker's eugo.device is 'emulated'"
-    if get_device(name) is None:
-        return "no CUDA device CuPy can use on this worker"
+    device = get_device(name)
+    if device is None:
+        return f"no CUDA device CuPy can use on this worker ({cupy_unusable_reason()})"
+    if device.unusable_reason is not None:
+        return f"the device is off in this process: {device.unusable_reason}"
     return f"no {name} device"
 
 
@@ -213,18 +260,12 @@ def _cpu_path() -> Iterator[None]:
         _state.cpu_path = previous
 
 
-def _map_arrays(value: Any, convert: Callable[[Any], Any]) -> Any:
-    """Apply ``convert`` to every array in a (possibly nested) task value."""
-    if isinstance(value, list):
-        return [_map_arrays(v, convert) for v in value]
-    if type(value) is tuple:
-        return tuple(_map_arrays(v, convert) for v in value)
-    if type(value) is dict:
-        return {k: _map_arrays(v, convert) for k, v in value.items()}
-    return convert(value)
 
 
-def _host_to_device(device: Device) -> Callable[[Any], Any]:
+def _host_to_device(device: Device, ordinal: int | None = None) -> Callable[[Any], Any]:
+    """Host arrays to device ``ordinal``; device arrays on another device move there. Inside a
+    task scope the copies are asynchronous and timed by the scope's clock (bytes counted here);
+    outside one each copy is complete and metered when it returns."""
     def convert(value: Any) -> Any:
         if (
             type(value) is np.ndarray
@@ -232,7 +273,14 @@ def _host_to_device(device: Device) -> Callable[[Any], Any]:
             and device_dtype_ok(value.dtype)
             and not device.is_device_array(value)
         ):
-            return _metered_copy("eugo-h2d", device.to_device, value, value.nbytes)
+            if device.current_task() is not None:
+                _context_meter().digest_metric("eugo-h2d", value.nbytes, "bytes")
+                return device.to_device(value, ordinal)
+            return _metered_copy("eugo-h2d", lambda v: device.to_device(v, ordinal), value,
+                                 value.nbytes)
+        where = device.ordinal_of(value)
+        if ordinal is not None and where is not None and where != ordinal:
+            return device.move(value, ordinal)  # a chain stays on one device
         return value
 
     return convert
@@ -269,7 +317,7 @@ def _host_only_chunk(value: Any) -> str | None:
             found.append(type(v).__name__)
         return v
 
-    _map_arrays(value, check)
+    map_arrays(value, check)
     return found[0] if found else None
 
 
@@ -285,30 +333,46 @@ def _check_no_0d(value: Any, device: Device) -> None:
             raise ZeroDimensionalResult("a 0-d device result; NumPy's type is the CPU path's")
         return v
 
-    _map_arrays(value, check)
+    map_arrays(value, check)
 
 
 def to_device(value: Any, device_name: str) -> Any:
-    """Host->device transfer task: every numeric array in ``value`` moves to the device.
+    """Host->device transfer task: every numeric array in ``value`` moves to the device chosen
+    for it (:meth:`~eugo_dask.devices.Device.select`); the copies are complete when it ends.
 
-    Where the device has no room, the value stays on the host and its consumers run their CPU
-    path.
+    Where the device fails (no room, a library or CUDA error), the value stays on the host and
+    its consumers run their CPU path (and count the fallback); a sticky error also turns the
+    device off in this process.
     """
     device = usable_device(device_name)
     if device is None or _cpu_path_active():
         return value
     try:
-        return _map_arrays(value, _host_to_device(device))
+        return map_arrays(value, _host_to_device(device, device.select(value)))
     except Exception as exc:
-        if not device.is_device_error(exc):
+        if device.note_error(exc) is None:  # counted in device_stats()["device_errors"]
             raise
         return value
+
+
+class DeviceDataLost(RuntimeError):
+    """A device array could not be copied back: the device failed in a way that loses its
+    memory (a sticky CUDA error). Restarting the worker recomputes the key."""
 
 
 def to_host(value: Any, device_name: str) -> Any:
     """Device->host transfer task: every device array in ``value`` comes back as NumPy
     (whatever device it is on, and whatever this worker's own setting)."""
-    return _map_arrays(value, _to_host)
+    try:
+        return map_arrays(value, _to_host)
+    except Exception as exc:
+        device = get_device(device_name)
+        kind = device.note_error(exc) if device is not None else None
+        if kind is None:
+            raise
+        raise DeviceDataLost(
+            f"eugo: a {device_name} result could not be copied back ({kind} error: "
+            f"{type(exc).__name__}: {exc}); restart this worker to recompute it") from exc
 
 
 def _receive(data: np.ndarray) -> Any:
@@ -379,7 +443,7 @@ class OnDevice:
         if device is None or _cpu_path_active():
             return value
         # no room on the device raises here, and the enclosing DeviceCall falls back
-        return _map_arrays(value, _host_to_device(device))
+        return map_arrays(value, _host_to_device(device))
 
     def __reduce__(self):
         return (OnDevice, (self.func, self.device_name))
@@ -442,16 +506,28 @@ class DeviceCall:
         host_only = _host_only_chunk((args, kwargs))
         if host_only is not None:
             return self._fall_back("host-chunk", host_only, args, kwargs)
+        ordinal = device.select((args, kwargs))  # where most of the inputs already are
         try:
-            convert = _host_to_device(device)
-            args, kwargs = _map_arrays(args, convert), _map_arrays(kwargs, convert)
-            with _context_meter().meter("eugo-device-compute"):
-                result = self.func(*args, **kwargs)
-            _check_no_0d(result, device)
+            # the scope makes the device current, runs on its thread's stream and waits for the
+            # work at its end: a fault raises here, and the clock holds device time
+            with device.task(ordinal) as clock:
+                convert = _host_to_device(device, ordinal)
+                device_args = map_arrays(args, convert)
+                device_kwargs = map_arrays(kwargs, convert)
+                clock.mark("eugo-h2d")
+                result = self.func(*device_args, **device_kwargs)
+                _check_no_0d(result, device)
+                clock.mark("eugo-device-compute")
         except Exception as exc:
-            category: FallbackCategory = ("device-error" if device.is_device_error(exc)
-                                          else "unsupported")
-            return self._fall_back(category, type(exc).__name__, args, kwargs, exc)
+            kind = device.note_error(exc)  # counted; a sticky error turns the device off here
+            if kind is None:
+                return self._fall_back("unsupported", type(exc).__name__, args, kwargs, exc)
+            # the original arguments: host arrays as they came, device arrays of earlier tasks
+            return self._fall_back("device-error", type(exc).__name__, args, kwargs, exc,
+                                   kind=kind)
+        meter = _context_meter()
+        for label, seconds in clock.seconds.items():
+            meter.digest_metric(label, seconds, "seconds")
         host_only = _host_only_chunk(result)
         if host_only is not None:  # it ran on host chunks after all (one embedded in the task)
             reason = f"{_REASON_WORDS['host-chunk']}: {host_only}"
@@ -464,8 +540,9 @@ class DeviceCall:
         return result
 
     def _fall_back(self, category: FallbackCategory, detail: str, args: tuple, kwargs: dict,
-                   exc: Exception | None = None) -> Any:
-        reason = f"{_REASON_WORDS[category]}: {detail}"
+                   exc: Exception | None = None, *, kind: str | None = None) -> Any:
+        words = _REASON_WORDS[category] if kind is None else f"{_REASON_WORDS[category]} ({kind})"
+        reason = f"{words}: {detail}"
         _stats.add_fallback(reason)
         _report_fallback(self.prefix, category, reason)
         if self.prefix not in _logged_prefixes:
@@ -486,7 +563,7 @@ class DeviceCall:
     def _cpu_path(self, args: tuple, kwargs: dict) -> Any:
         # inputs may be device arrays (a fallback after the copies, or a re-routed task whose
         # inputs were made on a device): the CPU path reads host copies
-        args, kwargs = _map_arrays(args, _to_host), _map_arrays(kwargs, _to_host)
+        args, kwargs = map_arrays(args, _to_host), map_arrays(kwargs, _to_host)
         with _cpu_path():
             return self.func(*args, **kwargs)
 

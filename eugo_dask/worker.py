@@ -13,7 +13,10 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
   task on its CPU while the plan counts on the GPU;
 - a CuPy array sent to this worker lands as a host array where it cannot be held here
   (:func:`eugo_dask.runtime.install_receive_fallback`), so retiring a GPU worker, or a full
-  device, never leaves a transfer failing forever.
+  device, never leaves a transfer failing forever;
+- the worker's event loop gives idle device memory back (``eugo.device-idle-release``): pools
+  and FFT plan caches of a device no task used for that long are released, from a periodic
+  callback that stops with the worker (no thread of eugo's outlives it).
 
 Reports go to the scheduler as events on the ``eugo`` topic, which the scheduler plugin reads.
 """
@@ -24,9 +27,16 @@ import logging
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from tornado.ioloop import PeriodicCallback
 
-from eugo_dask.config import process_device, worker_setting_problems
-from eugo_dask.runtime import EVENT_TOPIC, install_receive_fallback, usable_device, why_no_device
+from eugo_dask.config import device_settings, process_device, worker_setting_problems
+from eugo_dask.runtime import (
+    EVENT_TOPIC,
+    install_receive_fallback,
+    release_idle_devices,
+    usable_device,
+    why_no_device,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +76,7 @@ class EugoWorkerPlugin(WorkerPlugin):
             logger.error("eugo: %s; this worker uses no device", problem)
             worker.log_event(EVENT_TOPIC, {"invalid-setting": problem, "worker": worker.address})
         install_receive_fallback()
+        self._drive_idle_release(worker)
         resources = getattr(getattr(worker, "state", None), "total_resources", {}) or {}
         device, why = device_capability()
         worker.eugo_device = device  # what this worker reports it can use (tests read it)
@@ -74,3 +85,15 @@ class EugoWorkerPlugin(WorkerPlugin):
                            "its GPU tasks run their CPU path", self.resource,
                            resources[self.resource], why)
             worker.log_event(EVENT_TOPIC, {"no-device": str(why), "worker": worker.address})
+
+    @staticmethod
+    def _drive_idle_release(worker: Any) -> None:
+        try:
+            idle_s = device_settings().idle_release_s
+        except ValueError:  # reported above
+            return
+        if idle_s is None or "eugo-idle-release" in worker.periodic_callbacks:
+            return
+        callback = PeriodicCallback(release_idle_devices, max(idle_s / 4, 0.01) * 1000)
+        worker.periodic_callbacks["eugo-idle-release"] = callback  # stopped when the worker closes
+        callback.start()

@@ -36,6 +36,9 @@ def test_quick_calibration_is_a_valid_profile(quick_profile):
     assert cpu["threads"] >= 1 and cpu["task_overhead_s"] > 0
     assert cpu["matmul_flops_per_s"]["float32"] > cpu["flops_per_s"]["float32"] / 100
     assert set(cpu["elementwise_s_per_element"]["float64"]) == {"add", "divide", "sqrt", "exp", "sin", "power"}
+    # the chunk sizes that matter: matmul up to 2048², elementwise up to 2^23 elements
+    assert [n for n, _ in cpu["matmul_s_per_flop"]["float64"]["matmul"]][-1] == 2048
+    assert cpu["elementwise_s_per_element"]["float64"]["add"][-1][0] == 1 << 23
     # no CUDA device here: the GPU side comes from the preset and says so
     assert "not measured" in profile["source"]
     assert profile["gpu"]["name"].startswith("NVIDIA H200")
@@ -88,3 +91,59 @@ def test_cli_explain(tmp_path):
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["profile"] == "h200" and plan["tasks"]
+
+
+def test_one_cpu_measurer_at_three_levels():
+    import time
+
+    from eugo_dask.measure import SIZES, measure_cpu, measure_local_cpu
+
+    start = time.perf_counter()
+    probe = measure_local_cpu()
+    assert time.perf_counter() - start < 3.0  # well under 2 s on an idle machine
+    assert "(probe)" in probe["source"]
+    assert [n for n, _ in probe["matmul_s_per_flop"]["float64"]["matmul"]] == list(SIZES["probe"]["matmul"])
+    assert SIZES["full"]["matmul"][-1] == 4096
+    with pytest.raises(ValueError, match=r"level must be one of \['probe', 'quick', 'full'\]; got 'fast'"):
+        measure_cpu(level="fast")
+
+
+def test_unstable_rounds_are_measured_again_then_reported():
+    from eugo_dask.measure import Stability
+
+    messages = []
+    steady = Stability(messages.append, rounds=2, pause_s=0)
+    assert steady.rate("steady", iter([100.0, 110.0]).__next__) == 110.0
+    assert steady.warnings == [] and steady.summary() is None
+    noisy = Stability(messages.append, rounds=2, pause_s=0)
+    values = iter([1.0, 260.0, 274.0])  # one round while another process was busy
+    assert noisy.rate("matmul", values.__next__) == 274.0  # an extra round, and it agrees
+    assert noisy.warnings == []
+    flaky = Stability(messages.append, rounds=2, pause_s=0)
+    values = iter([1.38, 274.0, 3.0, 250.0])
+    flaky.rate("matmul 2048² float64", values.__next__)
+    assert flaky.warnings == ["matmul 2048² float64 unstable: 4 rounds ranged 1.38 to 274/s (198.6x), took the best"]
+    assert "calibrate again on an idle machine" in flaky.summary()
+    assert messages[-1].startswith("warning: matmul 2048² float64 unstable")
+    spent = Stability(messages.append, rounds=2, pause_s=0, retry_budget_s=0)
+    values = iter([1.0, 100.0])
+    assert spent.rate("no time left", values.__next__) == 100.0  # no extra round past the budget
+    assert spent.warnings[-1].startswith("no time left unstable: 2 rounds")
+
+
+def test_calibrated_matmul_table_prices_large_chunks():
+    from eugo_dask.cost_model import Op, Step, estimate_step
+    from eugo_dask.graph import ArraySpec
+    from eugo_dask.ops import MATMUL
+
+    table = {"float64": {"matmul": [[512, 1 / 20e9], [1024, 1 / 40e9], [2048, 1 / 50e9]]},
+             "float32": {"matmul": [[512, 1 / 40e9], [2048, 1 / 100e9]]}}
+    profile = load_profile({"base": "h200", "cpu": {**_SERVER, "matmul_s_per_flop": table}})
+    for n, rate in ((1024, 40e9), (4096, 50e9)):  # measured; past the largest size: held flat
+        spec = ArraySpec((n, n), np.dtype("float64"))
+        flops, cpu_s, _ = estimate_step(Step(Op(MATMUL, "matmul", 2), (spec, spec), spec, 2.0 * n**3),
+                                        n * n, spec.dtype, profile)
+        assert cpu_s == pytest.approx(flops / rate, rel=0.01)
+
+
+_SERVER = yaml.safe_load((Path(eugo_dask.__file__).parent / "profiles" / "server-x86.cpu.yaml").read_text())

@@ -55,6 +55,13 @@ def test_defaults_registered():
         ("eugo.device-memory-fraction", 1.5, r"eugo.device-memory-fraction must be a number > 0 and <= 1"),
         ("eugo.resource", "", r"eugo.resource must be a non-empty worker resource name"),
         ("eugo.emulated.memory-limit", "lots", r"eugo.emulated.memory-limit must be a positive byte count or a size like .16 GiB.; got .lots."),
+        ("eugo.emulated.devices", 0, r"eugo.emulated.devices must be a whole number >= 1; got 0"),
+        ("eugo.fft-plan-cache-size", -1, r"eugo.fft-plan-cache-size must be a whole number >= 0; got -1"),
+        ("eugo.fft-plan-cache-memory", "huge", r"eugo.fft-plan-cache-memory must be a byte count or size like '1 GiB', or null; got 'huge'"),
+        ("eugo.device-idle-release", "soon", r"eugo.device-idle-release must be a duration like '60s' \(> 0\) or null; got 'soon'"),
+        ("eugo.device-idle-release", 0, r"eugo.device-idle-release must be a duration"),
+        ("eugo.staging-buffer", "1 kiB", r"eugo.staging-buffer must be 0 or at least 64 KiB; got 1024"),
+        ("eugo.staging-buffer", -5, r"eugo.staging-buffer must be a byte count or size like '1 GiB'; got -5"),
     ],
 )
 def test_bad_settings_raise_clear_errors(key, value, match):
@@ -94,10 +101,58 @@ def test_environment_variables():
     assert out == ["3.5", "emulated"]
 
 
+def test_device_settings_from_config():
+    from eugo_dask.config import device_settings, emulated_device_count
+
+    with dask.config.set({"eugo.device-memory-fraction": 0.5, "eugo.fft-plan-cache-size": 2,
+                          "eugo.fft-plan-cache-memory": None, "eugo.device-idle-release": "2 minutes",
+                          "eugo.staging-buffer": "16 MiB", "eugo.emulated.devices": 4}):
+        settings = device_settings()
+        assert emulated_device_count() == 4
+    assert (settings.memory_fraction, settings.fft_plan_cache_size, settings.fft_plan_cache_bytes,
+            settings.idle_release_s, settings.staging_bytes) == (0.5, 2, None, 120, 16 << 20)
+    defaults = device_settings()
+    assert (defaults.memory_fraction, defaults.fft_plan_cache_size, defaults.fft_plan_cache_bytes,
+            defaults.idle_release_s, defaults.staging_bytes) == (0.8, 8, 1 << 30, 60, 8 << 20)
+
+
+# Records every module that tries to import CuPy, and refuses each try so that CuPy never lands
+# in sys.modules and every later try is seen too. Dask itself imports CuPy at ``import
+# dask.array`` where it is installed (dask/array/chunk_types.py), so ``'cupy' in sys.modules``
+# says nothing about eugo; what matters is that no eugo module tries.
+_WATCH_CUPY_IMPORT = """
+import json, sys, traceback
+importers = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "cupy":
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "importlib" not in f.filename and not f.filename.startswith("<frozen")]
+            importers.append(frames[-1].filename)
+            raise ModuleNotFoundError("No module named 'cupy' (refused by the test)")
+        return None
+sys.meta_path.insert(0, Watch())
+import dask, dask.array as da
+import eugo_dask, eugo_dask.plugin, eugo_dask.dashboard, eugo_dask.cli, eugo_dask.calibrate
+for device in ("none", "emulated"):
+    with dask.config.set({"optimizations": [eugo_dask.eugo], "eugo.device": device,
+                          "eugo.profile": {"base": "h200", "cpu": "server-x86"}}):
+        (da.ones(4, chunks=2) + 1).compute()
+        eugo_dask.explain(da.ones(4, chunks=2) @ da.ones(4, chunks=2))
+print(json.dumps(importers))
+"""
+
+
 def test_import_does_not_import_cupy():
-    code = "import sys, eugo_dask, dask.array as da; (da.ones(4) + 1).compute(); print('cupy' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _WATCH_CUPY_IMPORT], capture_output=True, text=True,
+                         check=True)
+    importers = json.loads(out.stdout)
+    package = os.path.dirname(eugo_dask.__file__)
+    assert not [f for f in importers if f.startswith(package)], importers
+    # the watch works: it sees Dask's own attempt (made whether or not CuPy is installed)
+    assert importers and importers[0].endswith(os.path.join("dask", "array", "chunk_types.py"))
 
 
 def test_cupy_device_without_cupy_says_how_to_install():
@@ -120,3 +175,12 @@ def test_cluster_profile_first_usable_candidate(tmp_path):
         assert cluster_profile() == "l4"  # the calibration has not written its file yet
         calibrated.write_text("base: t4\n")
         assert cluster_profile() == str(calibrated)
+
+
+def test_ci_runs_the_suite_with_cupy_installed_and_no_gpu():
+    from pathlib import Path
+
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    step = ci.split("with CuPy installed and no GPU", 1)[1]
+    assert "pip install --quiet -e '.[test]' cupy-cuda12x" in step
+    assert 'pytest -m "not slow"' in step

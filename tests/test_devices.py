@@ -104,3 +104,399 @@ def test_device_array_arrives_as_host_array_when_the_device_is_full():
         y = pickle.loads(pickle.dumps(x))
     assert type(y) is np.ndarray and y.sum() == np.arange(1000.0).sum()
     assert device_stats()["fallback_reasons"] == {"device error on receive: out of memory": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Several devices, pools, errors, the task scope (the device interface the runtime calls)
+# ---------------------------------------------------------------------------------------------
+import logging  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from eugo_dask.devices import (  # noqa: E402
+    COMPILE,
+    LIBRARY,
+    OUT_OF_MEMORY,
+    RUNTIME,
+    STICKY,
+    UNAVAILABLE,
+    DeviceDisabled,
+    DeviceSettings,
+    device_memory_stats,
+    device_nbytes,
+    install_device_accounting,
+)
+from eugo_dask.emulated import EmulatedCudaError  # noqa: E402
+
+
+@pytest.fixture
+def three():
+    reset_device_stats()
+    yield EmulatedDevice(10**6, count=3)
+    reset_device_stats()
+
+
+def test_arrays_remember_their_device_and_results_stay_there(three):
+    x = three.to_device(np.arange(6.0), ordinal=2)
+    assert three.ordinal_of(x) == 2 and x.device == 2
+    for result in (x + 1, np.sin(x), x.sum(), x[1:], np.concatenate([x, x])):
+        assert three.ordinal_of(result) == 2
+    assert three.used_bytes_on(2) > 0 and three.used_bytes_on(0) == three.used_bytes_on(1) == 0
+    y = three.to_device(np.arange(6.0), ordinal=1)
+    with pytest.raises(ValueError, match=r"different from the current device.*Peer access is unavailable"):
+        x + y
+
+
+def test_select_keeps_a_chain_on_its_device(three):
+    small = three.to_device(np.ones(10), ordinal=0)
+    big = three.to_device(np.ones(1000), ordinal=2)
+    assert three.select((small, [big], {"k": 1})) == 2  # most resident bytes
+    gathered = three.gather((small, [big]), 2)
+    assert [three.ordinal_of(v) for v in (gathered[0], gathered[1][0])] == [2, 2]
+    assert gathered[1][0] is big  # already there: not copied
+    stats = device_stats()
+    assert (stats["d2d_count"], stats["d2d_bytes"]) == (1, 80)
+    np.testing.assert_array_equal((gathered[0] + gathered[1][0][:10]).get(), np.full(10, 2.0))
+
+
+def test_select_spreads_tasks_over_devices_and_threads(three):
+    # tasks without device inputs go to the least busy device
+    with three.task() as first:
+        with three.task() as nested:  # one thread, one scope: the same task
+            assert nested is first
+        # a second thread's task, while the first is in flight, goes elsewhere
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(three.select()))
+        thread.start()
+        thread.join()
+        assert seen[0] != first.ordinal
+    # each thread keeps a home device among equally busy ones
+    homes = []
+
+    def record():
+        homes.append((three.select(), three.select()))
+
+    threads = [threading.Thread(target=record) for _ in range(3)]
+    for t in threads:
+        t.start()
+        t.join()
+    assert all(a == b for a, b in homes) and sorted(a for a, _ in homes) == [0, 1, 2]
+
+
+def test_copies_inside_a_task_land_on_its_device(three):
+    with three.task(1) as clock:
+        x = three.to_device(np.ones(4))
+        y = x * 2
+        assert three.select() == 1 and three.ordinal_of(y) == 1 and clock.ordinal == 1
+    assert three.ordinal_of(three.to_device(np.ones(4), ordinal=0)) == 0
+
+
+def test_task_clock_measures_phases_and_waits_for_the_device(three):
+    with three.task(0) as clock:
+        x = three.to_device(np.ones(1000))
+        clock.mark("eugo-h2d")
+        time.sleep(0.02)
+        np.sin(x)
+        clock.mark("eugo-device-compute")
+    assert set(clock.seconds) == {"eugo-h2d", "eugo-device-compute"}
+    assert clock.seconds["eugo-device-compute"] >= 0.015 > clock.seconds["eugo-h2d"]
+    assert clock.wall_s >= clock.launch_s >= clock.device_s * 0.9
+    assert device_stats()["device_seconds"] >= 0.015
+
+
+def test_pool_limit_holds_freed_blocks_and_releases_them():
+    reset_device_stats()
+    dev = EmulatedDevice(10**6, settings=DeviceSettings(memory_fraction=0.5))
+    assert dev.pool_limit_bytes == 500_000
+    with pytest.raises(EmulatedOutOfMemoryError, match="on emulated device 0"):
+        dev.to_device(np.ones(70_000))  # 560 kB > 50% of 1 MB
+    a = dev.to_device(np.ones(40_000))  # 320 kB
+    del a
+    (entry,) = dev.memory_stats()["ordinals"]
+    assert (entry["pool_used_bytes"], entry["pool_held_bytes"]) == (0, 320_000)  # CuPy keeps it
+    b = dev.to_device(np.ones(20_000))  # reuses the held block
+    assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 320_000
+    c = dev.to_device(np.ones(30_000))  # past the limit with what is held: held blocks go first
+    assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 400_000
+    del b, c
+    assert dev.release_memory() == 400_000
+    assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 0
+    assert device_stats()["released_bytes"] == 400_000
+
+
+def test_idle_release_gives_pools_back():
+    dev = EmulatedDevice(10**6, settings=DeviceSettings(idle_release_s=0.05))
+    with dev.task():
+        x = dev.to_device(np.ones(1000))
+    del x
+    assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 8000
+    deadline = time.monotonic() + 5
+    while dev.memory_stats()["ordinals"][0]["pool_held_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 0
+
+
+@pytest.mark.parametrize("fault, kind", [
+    ("out-of-memory", OUT_OF_MEMORY),
+    ("rmm-out-of-memory", OUT_OF_MEMORY),  # RMM raises a plain MemoryError
+    ("library", LIBRARY),
+    ("compile", COMPILE),
+    ("runtime", RUNTIME),
+    ("sticky", STICKY),
+    ("unavailable", UNAVAILABLE),
+])
+def test_error_classes(device, fault, kind):
+    device.inject_fault(fault, where="h2d")
+    with pytest.raises(BaseException) as info:
+        device.to_device(np.ones(3))
+    assert device.classify_error(info.value) == kind and device.is_device_error(info.value)
+    assert device.classify_error(TypeError("unsupported")) is None
+    # a device error behind another exception is still one
+    try:
+        raise RuntimeError("wrapped") from info.value
+    except RuntimeError as wrapped:
+        assert device.classify_error(wrapped) == kind
+
+
+def test_sticky_error_turns_the_device_off_for_the_process(device, caplog):
+    device.inject_fault("sticky", where="sync")  # as CUDA: the fault shows at synchronisation
+    with caplog.at_level(logging.WARNING, logger="eugo_dask.devices"):
+        with pytest.raises(EmulatedCudaError, match="cudaErrorIllegalAddress"):
+            with device.task():
+                np.sin(device.to_device(np.ones(3)))  # launched fine
+        assert "STICKY" not in caplog.text and "off in this process" in caplog.text
+    assert device.unusable_reason.startswith("sticky error: EmulatedCudaError")
+    with pytest.raises(DeviceDisabled, match="the emulated device is off in this process: sticky"):
+        with device.task():
+            pass
+    stats = device_stats()
+    assert stats["device_errors"] == {"sticky": 1}
+    assert stats["disabled"]["emulated"].startswith("sticky error")
+    # noting the same error again counts it once
+    device.note_error(EmulatedCudaError(700, "x"))
+    assert device_stats()["device_errors"] == {"sticky": 2}
+
+
+def test_out_of_memory_releases_held_memory_and_keeps_the_device(device):
+    x = device.to_device(np.ones(1000))
+    del x
+    assert device.memory_stats()["ordinals"][0]["pool_held_bytes"] == 8000
+    device.inject_fault("rmm-out-of-memory")
+    with pytest.raises(MemoryError):
+        with device.task():
+            device.to_device(np.ones(3)) + 1
+    assert device.memory_stats()["ordinals"][0]["pool_held_bytes"] <= 24  # the task's own input
+    assert device.unusable_reason is None
+    with device.task():  # usable again
+        device.to_device(np.ones(3)) + 1
+
+
+def test_injected_faults_are_checked(device):
+    with pytest.raises(ValueError, match=r"fault kind must be one of \["):
+        device.inject_fault("meltdown")
+    with pytest.raises(ValueError, match=r"fault place must be one of \['compute', 'sync', 'h2d', 'd2h'\]"):
+        device.inject_fault("sticky", where="later")
+
+
+def test_device_bytes_are_not_host_memory_in_a_worker_spill_buffer(tmp_path, device):
+    from distributed.spill import SpillBuffer
+
+    class Worker:
+        data = SpillBuffer(str(tmp_path), target=50_000)
+
+    worker = Worker()
+    worker.data["before"] = device.to_device(np.ones(1_000))  # 8 kB on the device
+    assert worker.data.fast.total_weight == 8_000  # distributed counts it as host memory
+    assert install_device_accounting(worker) and install_device_accounting(worker)  # idempotent
+    assert worker.data.fast.total_weight == 0  # re-weighed
+    worker.data["device"] = device.to_device(np.ones(10_000))
+    worker.data["host"] = np.ones(1_000)  # 8 kB
+    assert set(worker.data.fast) == {"before", "device", "host"}  # nothing spilled
+    worker.data["big-host"] = np.ones(10_000)  # 80 kB of host memory: past the target
+    assert "big-host" in worker.data.slow
+    assert device_nbytes({"a": [worker.data["device"], np.ones(3)]}) == 80_000
+
+
+def test_device_accounting_in_a_real_worker():
+    from distributed.utils_test import gen_cluster
+
+    @gen_cluster(nthreads=[("127.0.0.1", 1)])
+    async def check(scheduler, worker):
+        assert install_device_accounting(worker)
+        dev = EmulatedDevice(10**7)
+        value = (dev.to_device(np.ones(100_000)), np.ones(10))
+        assert worker.data.fast.weight("x", value) == worker.data.weight("x", value) < 1000
+
+    check()
+
+
+def test_device_metrics_on_the_process_registry(three):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    x = three.to_device(np.ones(1000), ordinal=1)
+    text = prometheus_client.generate_latest().decode()
+    assert 'eugo_device_memory_bytes{device="emulated",kind="array",ordinal="1"} 8000.0' in text
+    assert 'eugo_device_tasks_in_flight{device="emulated",ordinal="2"} 0.0' in text
+    assert three.memory_stats() in device_memory_stats()
+    assert three.memory_stats()["ordinals"][1]["array_bytes"] == 8000
+    del x
+
+
+# ---------------------------------------------------------------------------------------------
+# CuPy installed without a GPU (CI's third venv): classification and honest detection
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def cupy_without_gpu():
+    """CuPy where it is installed and finds no usable device (CI runs the suite so too)."""
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed in this environment")
+    from eugo_dask.devices import cupy_unusable_reason
+
+    if cupy_unusable_reason() is None:
+        pytest.skip("a usable CUDA device is here: tests/test_gpu.py covers it")
+    return cupy
+
+
+def test_cupy_error_classes(cupy_without_gpu):
+    from eugo_dask.devices import CupyDevice
+
+    cupy = cupy_without_gpu
+    dev = CupyDevice(cupy, count=1)  # builds without touching CUDA
+    runtime = cupy.cuda.runtime
+    assert dev.classify_error(runtime.CUDARuntimeError(700)) == STICKY  # illegal address
+    assert dev.classify_error(runtime.CUDARuntimeError(719)) == STICKY  # launch failure
+    assert dev.classify_error(runtime.CUDARuntimeError(2)) == OUT_OF_MEMORY  # e.g. pinned memory
+    assert dev.classify_error(runtime.CUDARuntimeError(701)) == RUNTIME  # out of resources
+    assert dev.classify_error(runtime.CUDARuntimeError(35)) == UNAVAILABLE  # driver too old
+    assert dev.classify_error(cupy.cuda.memory.OutOfMemoryError(1024, 0, 0)) == OUT_OF_MEMORY
+    assert dev.classify_error(MemoryError("std::bad_alloc: out_of_memory: RMM failure")) == OUT_OF_MEMORY
+    from cupy.cuda.compiler import CompileException
+
+    assert dev.classify_error(CompileException("error", "src", "name", (), "nvrtc")) == COMPILE
+    # CuPy 14 loads CUDA libraries lazily: a missing one is an ImportError at first use
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+    except ImportError as missing:
+        assert dev.classify_error(missing) == UNAVAILABLE
+    assert dev.classify_error(ValueError("axis out of range")) is None
+
+
+def test_cupy_without_a_gpu_says_why(cupy_without_gpu):
+    from eugo_dask.devices import cupy_device_count, cupy_unusable_reason, resolve_device_name
+
+    reason = cupy_unusable_reason()
+    assert reason.startswith("CuPy is installed but finds no usable CUDA device (cudaError")
+    assert cupy_device_count() == 0 and resolve_device_name("auto") is None
+    assert resolve_device_name("cupy") is None  # a worker: its tasks run their CPU path
+    with pytest.raises(RuntimeError, match=r"eugo.device is 'cupy' but no CUDA device can run GPU "
+                                           r"tasks here: CuPy is installed but finds no usable"):
+        resolve_device_name("cupy", explicit_error=True)
+    with dask.config.set({"eugo.device": "cupy"}):
+        from eugo_dask.config import read_settings
+
+        with pytest.raises(RuntimeError, match=r"Set eugo.device to 'auto' to run on the CPU"):
+            read_settings().resolved()
+        # planned for a cluster's GPU workers, this process needs no device
+        assert read_settings().resolved(gpu_workers=True).device == "cupy"
+
+
+# ---------------------------------------------------------------------------------------------
+# CupyDevice's copy pipeline on a stand-in for CuPy with CUDA's ordering rules (tests/fake_cupy)
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake(monkeypatch):
+    import sys
+
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=2)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setitem(sys.modules, "cupy.fft", module.fft)
+    monkeypatch.setitem(sys.modules, "cupy.fft.config", module.fft.config)
+    fake_cupy.pool.limit = fake_cupy.pool.used = 0
+    reset_device_stats()
+    dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
+                                            fft_plan_cache_bytes=1 << 20))
+    dev.direct_copy_bytes = 4096  # stage everything past 4 kB in 64 kB chunks
+    yield dev, fake_cupy
+
+
+@pytest.mark.parametrize("nbytes", [800, 64 * 1024, 3 * 64 * 1024, 3 * 64 * 1024 + 8 * 37])
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+def test_staged_copies_round_trip_on_fake_cupy(fake, nbytes, layout):
+    dev, _ = fake
+    n = nbytes // 8
+    host = np.arange(2 * n, dtype=np.float64).reshape(2, n)
+    host = {"C": host[:, :n // 2 * 2].copy(), "F": np.asfortranarray(host), "strided": host[:, ::2]}[layout]
+    back_outside = dev.to_host(dev.to_device(host))
+    with dev.task(0):
+        on_device = dev.to_device(host)
+        back_inside = dev.to_host(on_device)
+    for back in (back_outside, back_inside):
+        np.testing.assert_array_equal(back, host)
+    assert back_outside.flags.f_contiguous == (layout == "F")
+
+
+def test_copies_in_a_task_are_asynchronous_until_it_ends(fake):
+    dev, _ = fake
+    first, second = np.arange(50_000.0), np.arange(50_000.0) * -1  # 400 kB: 7 chunks each
+    with dev.task(0) as clock:
+        a = dev.to_device(first)
+        b = dev.to_device(second)  # reuses the staging buffers a's copies still read from
+        assert not np.array_equal(b.peek(), second)  # b's last chunks have not run yet
+        clock.mark("eugo-h2d")
+    np.testing.assert_array_equal(a.peek(), first)  # the scope's end waited for both
+    np.testing.assert_array_equal(b.peek(), second)
+    assert list(clock.seconds) == ["eugo-h2d"]
+    # outside a task a copy is complete when it returns
+    c = dev.to_device(first)
+    np.testing.assert_array_equal(c.peek(), first)
+    assert device_stats()["h2d_count"] == 3 and device_stats()["h2d_bytes"] == 3 * 400_000
+
+
+def test_several_fake_gpus_select_and_move(fake):
+    dev, fake_cupy = fake
+    assert dev.count == 2
+    x = dev.to_device(np.ones(1000), ordinal=1)
+    assert dev.ordinal_of(x) == 1 and dev.select(([x], np.ones(3))) == 1
+    moved = dev.move(x, 0)
+    assert dev.ordinal_of(moved) == 0 and dev.move(moved, 0) is moved
+    np.testing.assert_array_equal(dev.to_host(moved), np.ones(1000))
+    assert device_stats()["d2d_count"] == 1
+    # outside a task, with no device named: CuPy's current device, as code that chose none expects
+    with fake_cupy.Device(1):
+        assert dev.ordinal_of(dev.to_device(np.ones(3))) == 1
+    assert dev.ordinal_of(dev.to_device(np.ones(3))) == 0
+
+
+def test_fake_cupy_pool_limit_fft_caches_and_errors(fake):
+    dev, fake_cupy = fake
+    limited = type(dev)(dev.cupy, DeviceSettings(memory_fraction=1e-6))  # 80 kB of a fake 80 GB
+    with pytest.raises(MemoryError) as info:
+        limited.to_device(np.ones(20_000))
+    assert limited.classify_error(info.value) == OUT_OF_MEMORY
+    assert limited.memory_stats()["ordinals"][0]["pool_limit_bytes"] == 80_000
+    fake_cupy.pool.limit = 0
+    with dev.task(1):
+        cache = fake_cupy.get_plan_cache()
+    assert (cache.size, cache.memsize) == (3, 1 << 20)  # this thread's cache on device 1, bounded
+    cache.plans = 2
+    assert dev.memory_stats()["ordinals"][1]["fft_plans"] == 2
+    dev.release_memory()
+    assert cache.plans == 0
+    assert dev.classify_error(fake_cupy.CUDARuntimeError(700)) == STICKY
+    assert dev.memory_stats()["pinned_bytes"] == 0  # staging buffers come with a thread's first copy
+    dev.to_device(np.ones(100_000))
+    assert dev.memory_stats()["pinned_bytes"] == 2 * 64 * 1024  # this thread's two buffers
+
+
+def test_copies_wait_for_work_queued_on_the_default_stream(fake):
+    dev, fake_cupy = fake
+    x = dev.to_device(np.zeros(100_000))
+    # a kernel some code outside eugo's scopes queued on the legacy default stream, not run yet
+    fake_cupy.Stream.null._enqueue(lambda: x.peek().__setitem__(slice(None), 5.0))
+    np.testing.assert_array_equal(dev.to_host(x), np.full(100_000, 5.0))
+    fake_cupy.Stream.null._enqueue(lambda: x.peek().__setitem__(slice(None), 7.0))
+    with dev.task(0):
+        back = dev.to_host(x)
+    np.testing.assert_array_equal(back, np.full(100_000, 7.0))

@@ -180,7 +180,7 @@ def test_out_of_memory_in_gpu_task_falls_back_and_is_counted(tmp_path):
         summary = reported_summary(client, stats["fallbacks"])
         # counted from the worker's reports: every GPU task ran its CPU path, none the device
         assert summary["fallbacks"] == {"device-error": stats["fallbacks"]}
-        assert list(summary["fallback_reasons"]) == ["device error: EmulatedOutOfMemoryError"]
+        assert list(summary["fallback_reasons"]) == ["device error (out-of-memory): EmulatedOutOfMemoryError"]
         assert not summary["tasks"].get("gpu")
 
 

@@ -116,3 +116,98 @@ def test_local_cpu_measured_once_and_cached(tmp_path, monkeypatch):
     assert p.cpu.matmul_flops_per_s.float64 > 1e8
     assert p.cpu.memory_bandwidth_bytes_per_s > 1e8
     assert p.cpu.threads >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA device models -> presets (exact names, memory from the device)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, preset", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA A100-PCIE-40GB", "a100"), ("NVIDIA L4", "l4"),
+    ("NVIDIA L40S", "l40s"), ("NVIDIA L40", "l40s"), ("Tesla T4", "t4"),
+    ("NVIDIA GH200 480GB", "gh200"), (" NVIDIA GH200 144G HBM3e ", "gh200"),
+])
+def test_device_models_match_exactly(name, preset):
+    from eugo_dask.profile import preset_for_device
+
+    spec, known = preset_for_device(name, memory_bytes=4.2e10, count=2)
+    assert known and spec["base"] == preset
+    p = load_profile({**spec, "cpu": "server-x86"})
+    assert (p.gpu.memory_bytes, p.gpu.count) == (4.2e10, 2)  # read from the device
+
+
+def test_look_alike_models_are_not_priced_as_each_other():
+    from eugo_dask.profile import preset_for_device
+
+    def gpu(name):
+        spec, _ = preset_for_device(name, memory_bytes=4.8e10)
+        return load_profile({**spec, "cpu": "server-x86"})
+
+    l4, l40s, l40 = gpu("NVIDIA L4"), gpu("NVIDIA L40S"), gpu("NVIDIA L40")
+    assert l40s.gpu.flops_per_s.float32 > 2.5 * l4.gpu.flops_per_s.float32
+    assert l40.gpu.matmul_flops_per_s.float16 == pytest.approx(l40s.gpu.matmul_flops_per_s.float16 / 2)
+    gh200, h200 = gpu("NVIDIA GH200 480GB"), gpu("NVIDIA H200")
+    assert "NVLink-C2C" in gh200.link.name and gh200.link.pinned_h2d_bytes_per_s > 5 * h200.link.pinned_h2d_bytes_per_s
+    a100_40 = load_profile({**preset_for_device("NVIDIA A100-SXM4-40GB", memory_bytes=4.0e10)[0],
+                            "cpu": "server-x86"})
+    assert a100_40.gpu.memory_bytes == 4.0e10 and a100_40.gpu.memory_bandwidth_bytes_per_s == 1.555e12
+    spec, known = preset_for_device("NVIDIA RTX 6000 Ada Generation", memory_bytes=5.1e10)
+    assert not known and spec["base"] == "h200"
+    assert spec["gpu"] == {"name": "NVIDIA RTX 6000 Ada Generation (unknown model, priced as h200)",
+                           "memory_bytes": 5.1e10}
+
+
+def test_auto_profile_reads_the_local_device(monkeypatch, caplog):
+    import logging
+
+    from eugo_dask import config
+
+    monkeypatch.setattr(config, "cupy_device_name", lambda: "NVIDIA A100-SXM4-40GB")
+    monkeypatch.setattr(config, "cupy_device_memory", lambda: 42_505_273_344)
+    monkeypatch.setattr(config, "cupy_device_count", lambda: 4)
+    spec = config.resolve_profile("auto", "cupy")
+    assert spec["base"] == "a100" and spec["gpu"]["memory_bytes"] == 42_505_273_344
+    assert spec["gpu"]["count"] == 4
+    assert config.resolve_profile("auto", "emulated") == "h200"
+    assert config.resolve_profile("t4", "cupy") == "t4"
+    monkeypatch.setattr(config, "cupy_device_name", lambda: "NVIDIA B200")
+    with caplog.at_level(logging.WARNING, logger="eugo_dask.config"):
+        assert config.resolve_profile("auto", "cupy")["base"] == "h200"
+    assert "no preset for the CUDA device 'NVIDIA B200'" in caplog.text and "eugo-dask calibrate" in caplog.text
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_float16_elementwise_is_not_priced_above_float32(name):
+    # CuPy's elementwise kernels compute float16 math in float32 (no half2 packing)
+    g = load_profile({"base": name, "cpu": "server-x86"}).gpu
+    assert g.flops_per_s.float16 == g.flops_per_s.float32
+    assert g.matmul_flops_per_s.float16 > g.matmul_flops_per_s.float32  # tensor cores do
+
+
+def test_spec_sheet_figures_that_were_off():
+    assert load_profile({"base": "l4", "cpu": "server-x86"}).gpu.flops_per_s.float16 == 3.03e13
+    a100 = load_profile({"base": "a100", "cpu": "server-x86"}).gpu
+    assert a100.matmul_flops_per_s.float16 == 3.12e14 and a100.memory_bandwidth_bytes_per_s == 2.039e12
+
+
+def test_measured_gpu_figures_get_no_efficiency_factors():
+    import numpy as np
+
+    from eugo_dask.cost_model import Op, Step, estimate_step
+    from eugo_dask.graph import ArraySpec
+    from eugo_dask.ops import ELEMENTWISE, FFT, MATMUL
+
+    spec = load_profile({"base": "h200", "cpu": "server-x86"})
+    measured = load_profile({"base": "h200", "cpu": "server-x86",
+                             "gpu": {"measured": True, "fft_flops_per_s": {"float32": 1e13, "float64": 5e12}}})
+    big = ArraySpec((4096, 4096), np.dtype("float64"))
+    for step in (Step(Op(ELEMENTWISE, "add", 2), (big, big), big),
+                 Step(Op(MATMUL, "matmul", 2), (big, big), big, 2 * 4096**3)):
+        _, _, spec_s = estimate_step(step, big.size, big.dtype, spec)
+        _, _, measured_s = estimate_step(step, big.size, big.dtype, measured)
+        assert measured_s < spec_s * 0.85
+    fft = Step(Op(FFT, "fft", 1), (big,), ArraySpec(big.shape, np.dtype("complex128")), 5e9)
+    _, _, fft_s = estimate_step(fft, big.size, big.dtype, measured)
+    assert fft_s >= 5e9 / 5e12  # the measured FFT rate, not a share of the sin rate
+    with pytest.raises(ProfileError, match=r"gpu.measured must be true or false; got 'yes'"):
+        load_profile({"base": "h200", "cpu": "server-x86", "gpu": {"measured": "yes"}})

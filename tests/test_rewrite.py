@@ -172,6 +172,6 @@ def test_device_out_of_memory_falls_back_to_cpu(emulated, caplog):
     np.testing.assert_allclose(result, np.exp(A) * 2)
     stats = device_stats()
     assert stats["tasks"] == 0
-    assert stats["fallback_reasons"] == {"device error: EmulatedOutOfMemoryError": 6}
+    assert stats["fallback_reasons"] == {"device error (out-of-memory): EmulatedOutOfMemoryError": 6}
     warnings = [r for r in caplog.records if "fell back to the CPU" in r.getMessage()]
     assert len(warnings) == 1  # logged once per task prefix

@@ -47,3 +47,30 @@ def test_local_cluster_with_an_emulated_gpu_worker():
         by_name = dict(counts.values())
         assert by_name["gpu"] > 0 and by_name["cpu-0"] == by_name["cpu-1"] == 0
     assert not dask.config.get("optimizations", None)  # the settings were for the cluster only
+
+
+@gen_cluster(client=True, nthreads=[gpu_worker()],
+             config={**emulated_settings(), "eugo.device-idle-release": "100ms"})
+async def test_workers_give_idle_device_memory_back_without_a_thread_of_their_own(c, s, gpu):
+    # the eugo worker plugin's periodic callback releases the pool; gen_cluster's thread-leak
+    # check fails this test if the device started a releaser thread instead
+    import asyncio
+
+    from eugo_dask.plugin import EugoSchedulerPlugin
+    from eugo_dask.runtime import get_device
+
+    await c.register_plugin(EugoSchedulerPlugin())
+    assert "eugo-idle-release" in gpu.periodic_callbacks
+    assert_eq(await c.compute(pipeline()), EXPECTED)
+    assert device_tasks(gpu) > 0
+
+    device = get_device("emulated")  # the one the worker used (this process, these settings)
+
+    def held() -> int:
+        return sum(o["pool_held_bytes"] for o in device.memory_stats()["ordinals"])
+
+    for _ in range(100):
+        if held() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert held() == 0

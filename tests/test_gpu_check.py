@@ -1,0 +1,55 @@
+"""The GPU check (scripts/gpu-check.sh) fits one device command and says what it skipped."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "scripts" / "gpu-check.sh").read_text()
+
+
+def test_steps_fit_one_device_command_with_room_for_a_rerun():
+    budget = int(re.search(r"budget=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT).group(1))
+    limits = {name: int(limit) for name, limit in re.findall(r"^step ([\w-]+) (\d+) ", SCRIPT, re.M)}
+    assert {"install", "env", "copies", "timing", "pytest-gpu", "memory", "threads", "distributed",
+            "calibrate", "seed-table"} == set(limits)
+    assert budget <= 450 < 600  # the steps stop at the budget, whatever their own limits
+    assert all(limit <= 150 for limit in limits.values())
+    # at most 8 files come back from the device tool
+    assert len(set(re.findall(r'"\$out/([\w.-]+)"', SCRIPT)) | {"seed_table.png"}) <= 8
+    subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu-check.sh")], check=True)
+
+
+@pytest.mark.parametrize("check", ["copies", "timing", "memory", "threads"])
+def test_gpu_checks_say_why_they_skip(check, tmp_path):
+    from eugo_dask.devices import cupy_device_count
+
+    if cupy_device_count():  # pragma: no cover - a GPU machine runs them for real
+        pytest.skip("a CUDA device is here")
+    results = tmp_path / "results.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), check,
+                           "--json", str(results)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert record["status"] == "skipped" and record["reason"].startswith("no usable CUDA device: ")
+    assert f"{check}: skipped: no usable CUDA device" in done.stdout
+
+
+@pytest.mark.slow
+def test_distributed_check_on_the_emulated_device(tmp_path):
+    results = tmp_path / "results.jsonl"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "device_check.py"), "distributed",
+                           "--json", str(results)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT / "benchmarks")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    result = record["result"]
+    assert result["ok"], result
+    assert result["workers"]["gpu"]["device_stats"]["tasks"] > 0
+    assert result["workers"]["cpu"]["device_stats"]["tasks"] == 0
