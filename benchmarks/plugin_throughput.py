@@ -33,8 +33,8 @@ def graph(blocks: int):
 class TimedPlugin(EugoSchedulerPlugin):
     """The plugin, with the time spent in its per-task hooks added up."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def _fresh_state(self) -> None:  # runs on __init__ and on unpickling in the scheduler
+        super()._fresh_state()
         self.hook_s = 0.0
 
     def update_graph(self, *args, **kwargs):

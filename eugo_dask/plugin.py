@@ -70,9 +70,10 @@ MAX_PREFIXES = 2_000
 MAX_REASONS = 100
 MAX_WARNINGS = 100
 MAX_TEXT = 300
-#: Fallback reasons workers report start with one of these (runtime.DeviceCall's words).
+#: Fallback reasons workers report start with one of these (runtime.DeviceCall's words), a
+#: device error with its kind: "device error (out-of-memory): EmulatedOutOfMemoryError".
 _REASON = re.compile(r"^(device error|unsupported on device|no device|host-only chunk|"
-                     r"device error on receive)(: .*)?$")
+                     r"device error on receive)( \([a-z-]+\))?(: .*)?$")
 
 
 @dataclass

@@ -166,6 +166,16 @@ def check_prediction_accuracy(out: str) -> None:
     assert families == ["matmul", "elementwise", "fft", "reduction"]
 
 
+def check_root_tasks(out: str) -> None:
+    rows = {line.split()[0]: [int(v) for v in line.split()[1:]] for line in out.splitlines()
+            if line.startswith(("plain ", "eugo ")) and line.split()[1].isdigit()}
+    assert set(rows) == {"plain", "eugo"}
+    # plain Dask queues the reads: at most about worker-saturation x threads processing at once
+    assert 0 < rows["plain"][0] <= 16
+    assert rows["eugo"][1] > 0, "no read was queued with eugo on"  # reads stay root-ish tasks
+    assert re.search(r"eugo ran [1-9]\d* tasks on the GPU worker's device; results agree: True", out)
+
+
 @pytest.mark.parametrize("argv", params(BENCHMARKS))
 def test_benchmark_quick(argv, tmp_path):
     """Each README benchmark line with ``--quick``: one convention, BLAS pinned and reported."""
@@ -181,7 +191,8 @@ def test_benchmark_quick(argv, tmp_path):
 
 CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
           "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
-          "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy}
+          "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy,
+          "root_tasks": check_root_tasks}
 
 
 def test_benchmark_helpers_refuse_to_come_after_numpy():
