@@ -16,8 +16,9 @@ own). What it does with the annotations the rewrite puts on every task
   the last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their
   CPU path on the workers there are;
 - aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist. Root tasks
-  (reads, data producers) are left unrestricted, so the scheduler still queues them and a large
-  read streams through bounded memory;
+  (reads, data producers) are left unrestricted, so the scheduler still queues them. (Queuing
+  bounds what each worker is processing, not what waits for a consumer on another worker: reads
+  whose consumers run on a GPU worker can run ahead of it; see ``benchmarks/root_tasks.py``);
 - every worker gets :class:`~eugo_dask.worker.EugoWorkerPlugin`: it checks the worker's own
   settings, reports a GPU worker that cannot use a device, and makes device arrays land as host
   arrays where they cannot be held.
