@@ -19,6 +19,7 @@ import:
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -49,8 +50,22 @@ def _load_yaml(name: str) -> dict[str, Any]:
         return yaml.safe_load(f)
 
 
+#: eugo.yaml: the one place the defaults are written.
+_DEFAULTS: dict[str, Any] = _load_yaml("eugo.yaml")
+
+
 def register_defaults() -> None:
-    dask.config.update_defaults(_load_yaml("eugo.yaml"))
+    dask.config.update_defaults(copy.deepcopy(_DEFAULTS))
+
+
+def _setting(key: str) -> Any:
+    """``key`` (``eugo.…``) as Dask's config holds it, or its eugo.yaml default where the config
+    has none: one restored from a copy taken before ``import eugo_dask`` (as
+    ``distributed.utils_test`` takes on import, and ``gen_cluster`` restores) lacks eugo's keys."""
+    default: Any = _DEFAULTS
+    for part in key.split("."):
+        default = default[part]
+    return dask.config.get(key, default)
 
 
 def schema() -> dict[str, Any]:
@@ -104,7 +119,7 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
 
 def process_device() -> str:
     """This process's own ``eugo.device`` (a worker uses a device only where it allows)."""
-    device = dask.config.get("eugo.device", "auto")
+    device = _setting("eugo.device")
     if device is None:  # Dask reads DASK_EUGO__DEVICE=none from the environment as None
         device = "none"
     if device not in DEVICES:
@@ -114,7 +129,7 @@ def process_device() -> str:
 
 def emulated_memory_limit() -> int:
     """Capacity of this process's emulated device in bytes (``eugo.emulated.memory-limit``)."""
-    memory_limit = dask.config.get("eugo.emulated.memory-limit", "16 GiB")
+    memory_limit = _setting("eugo.emulated.memory-limit")
     allowed = "a positive byte count or a size like '16 GiB'"
     try:
         limit = None if isinstance(memory_limit, bool) else parse_bytes(memory_limit)
@@ -141,7 +156,7 @@ def worker_setting_problems() -> list[str]:
 
 def emulated_device_count() -> int:
     """Emulated devices per process (``eugo.emulated.devices``)."""
-    value = dask.config.get("eugo.emulated.devices", 1)
+    value = _setting("eugo.emulated.devices")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"eugo.emulated.devices must be a whole number >= 1; got {value!r}")
     return value
@@ -160,10 +175,9 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
     return size
 
 
-#: The device settings' keys and defaults, in :class:`~eugo_dask.devices.DeviceSettings` order.
-_DEVICE_KEYS = (("eugo.device-memory-fraction", 0.8), ("eugo.fft-plan-cache-size", 8),
-                ("eugo.fft-plan-cache-memory", "1 GiB"), ("eugo.device-idle-release", "60s"),
-                ("eugo.staging-buffer", "8 MiB"))
+#: The device settings' keys, in :class:`~eugo_dask.devices.DeviceSettings` order.
+_DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
+                "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer")
 
 
 def device_settings() -> DeviceSettings:
@@ -171,7 +185,7 @@ def device_settings() -> DeviceSettings:
     ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``
     and ``eugo.staging-buffer``, validated. (Tasks call this: the parsing is done once per
     distinct set of values.)"""
-    raw = tuple(dask.config.get(key, default) for key, default in _DEVICE_KEYS)
+    raw = tuple(map(_setting, _DEVICE_KEYS))
     try:
         hash(raw)
     except TypeError:
@@ -207,7 +221,7 @@ _cached_device_settings = functools.lru_cache(maxsize=64)(_device_settings)
 
 def read_resource() -> str:
     """``eugo.resource``: the worker resource GPU tasks request."""
-    resource = dask.config.get("eugo.resource", "GPU")
+    resource = _setting("eugo.resource")
     if not isinstance(resource, str) or not resource:
         raise ValueError(f"eugo.resource must be a non-empty worker resource name; got {resource!r}")
     return resource
@@ -215,7 +229,7 @@ def read_resource() -> str:
 
 def history_path() -> str | None:
     """``eugo.history``: where this process keeps learned durations (None: the default)."""
-    history = dask.config.get("eugo.history", None)
+    history = _setting("eugo.history")
     if history is not None and not isinstance(history, str):
         raise ValueError(f"eugo.history must be a file path or null; got {history!r}")
     return history
@@ -228,17 +242,17 @@ def read_settings() -> Settings:
     memory_limit_bytes = emulated_memory_limit()
     device_settings()  # validated here too, so a bad value fails on the client
     emulated_device_count()
-    learn = dask.config.get("eugo.learn", False)
+    learn = _setting("eugo.learn")
     if not isinstance(learn, bool):
         raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
     history = history_path()
     return Settings(
         device=device,
-        profile=check_profile_spec(dask.config.get("eugo.profile")),
-        min_speedup=_number("eugo.min-speedup", dask.config.get("eugo.min-speedup"), minimum=0),
+        profile=check_profile_spec(_setting("eugo.profile")),
+        min_speedup=_number("eugo.min-speedup", _setting("eugo.min-speedup"), minimum=0),
         resource=resource,
         device_memory_fraction=_number(
-            "eugo.device-memory-fraction", dask.config.get("eugo.device-memory-fraction"),
+            "eugo.device-memory-fraction", _setting("eugo.device-memory-fraction"),
             minimum=0, maximum=1, exclusive_minimum=True,
         ),
         emulated_memory_limit=memory_limit_bytes,
@@ -252,7 +266,7 @@ def cluster_profile() -> Any:
     client asks for ``auto``. A profile spec or a list of them, the first usable one winning (a
     preset or a mapping always is; a path once the file exists). None where unset or where no
     candidate is usable yet."""
-    value = dask.config.get("eugo.cluster-profile", None)
+    value = _setting("eugo.cluster-profile")
     if value is None:
         return None
     candidates = value if isinstance(value, (list, tuple)) else [value]

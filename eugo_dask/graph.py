@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -224,6 +224,19 @@ def task_spec_dict(dsk: Any) -> dict[Key, GraphNode]:
     if all(isinstance(v, GraphNode) for v in graph.values()):
         return graph
     return convert_legacy_graph(graph)
+
+
+def materialized_keys(dsk: Any) -> Iterator[Key]:
+    """Keys of ``dsk``'s layers that are materialized already (all of a plain dict's), without
+    materializing the others (a collection's new Blockwise layers)."""
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+    if not isinstance(dsk, HighLevelGraph):
+        yield from dsk
+        return
+    for layer in dsk.layers.values():
+        if isinstance(layer, MaterializedLayer):
+            yield from layer.mapping
 
 
 def alias_targets(dsk: Graph) -> dict[Key, Key]:

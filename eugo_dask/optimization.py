@@ -35,7 +35,7 @@ from dask.base import tokenize
 from eugo_dask._version import __version__
 from eugo_dask.config import Settings, cluster_profile, history_path, read_settings, resolve_profile
 from eugo_dask.describe import GraphDescription, describe_graph
-from eugo_dask.graph import ChunkInfo, Key, flatten_keys, task_spec_dict
+from eugo_dask.graph import ChunkInfo, Key, flatten_keys, materialized_keys, task_spec_dict
 from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import Plan, place
 from eugo_dask.profile import Profile, load_profile
@@ -295,7 +295,14 @@ def run_optimizations(
 ) -> Any:
     """Dask's array optimization, then each of ``passes`` in order."""
     chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
-    dsk = dask_array_optimize(dsk, keys, **kwargs)
+    if chunk_info is not None and any(map(_may_be_ours, materialized_keys(dsk))):
+        # optimized with eugo before (dask.optimize, then compute): Dask's linear fusion would
+        # glue eugo's copies to the reads and host tasks beside them; blockwise fusion of the
+        # layers added since and culling still run
+        with dask.config.set({"optimization.fuse.active": False}):
+            dsk = dask_array_optimize(dsk, keys, **kwargs)
+    else:
+        dsk = dask_array_optimize(dsk, keys, **kwargs)
     token = _submitted.set(submission)
     try:
         for opt in passes:

@@ -71,6 +71,11 @@ MAX_PREFIXES = 2_000
 MAX_REASONS = 100
 MAX_WARNINGS = 100
 MAX_TEXT = 300
+#: GPU tasks waiting on a GPU worker, fed by queued reads, past which the plugin warns that reads
+#: run ahead of the device: per worker thread (plain Dask holds about one root task per thread),
+#: and at least (a small computation's handful of blocks is no concern).
+BACKLOG_PER_THREAD = 16
+BACKLOG_MIN = 64
 #: Fallback reasons workers report start with one of these (runtime.DeviceCall's words), a
 #: device error with its kind: "device error (out-of-memory): EmulatedOutOfMemoryError".
 _REASON = re.compile(r"^(device error|unsupported on device|no device|host-only chunk|"
@@ -124,6 +129,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.cpu_keys: set = set()  # other planned tasks the plan kept on the CPU
         self.errors = 0
         self.warnings: deque[str] = deque(maxlen=MAX_WARNINGS)
+        self._backlog_warned: set[str] = set()  # GPU workers warned of read-ahead this graph
         self.prefixes: dict[str, PrefixStats] = {}
         #: distinct fallback reasons -> the task prefixes that reported them (each worker
         #: reports a reason once per prefix; the counts are the workers' metrics, by category)
@@ -175,6 +181,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         roles = annotations.get("eugo") or {}
         if not roles:
             return
+        self._backlog_warned.clear()  # a new graph: warn again where it piles up
         cpu_workers = self._cpu_workers(scheduler)
         gpu_present = bool(self._gpu_workers(scheduler))
         rerouted = 0
@@ -267,11 +274,32 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self._guard("transition", self._count, key, kwargs.get("worker"), startstops)
             if key in history_pending:  # eugo.learn: the worker's own compute time
                 self._guard("transition", self._learn, key, startstops)
+        elif finish == "processing" and key in self.gpu_keys:
+            self._guard("transition", self._watch_backlog, key)
         elif finish == "forgotten":
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
+
+    def _watch_backlog(self, key: Any) -> None:
+        """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
+        worker: distributed queues no task with resource restrictions (dask/distributed#9164),
+        so a CPU worker that finished a read takes the next while the device lags behind."""
+        ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
+        ws = ts.processing_on if ts is not None else None
+        if ts is None or ws is None or ws.address in self._backlog_warned:
+            return
+        waiting = len(ws.processing)
+        if waiting < max(BACKLOG_MIN, BACKLOG_PER_THREAD * ws.nthreads):
+            return
+        if not any(_is_root(dts) or any(map(_is_root, dts.dependencies))
+                   for dts in ts.dependencies):
+            return
+        self._backlog_warned.add(ws.address)
+        self._warn(f"eugo: {waiting} tasks wait on GPU worker {ws.name}, fed by queued reads that "
+                   "run ahead of its device; their blocks wait in memory (dask/distributed#9164). "
+                   "Worker memory limits bound it: distributed spills and pauses.")
 
     def _prefix(self, name: str) -> PrefixStats:
         stats = self.prefixes.get(name)

@@ -37,7 +37,13 @@ import numpy as np
 from dask._task_spec import DataNode, Task
 from dask.utils import funcname
 
-from eugo_dask.config import device_settings, emulated_device_count, emulated_memory_limit, process_device
+from eugo_dask.config import (
+    device_settings,
+    emulated_device_count,
+    emulated_memory_limit,
+    process_device,
+    worker_setting_problems,
+)
 from eugo_dask.devices import (
     CupyDevice,
     Device,
@@ -134,10 +140,9 @@ def usable_device(name: str) -> Device | None:
     pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device. An invalid setting on
     this worker uses no device (and is reported where the worker starts).
     """
-    try:
-        local = process_device()
-    except ValueError:
+    if _setting_problem() is not None:
         return None
+    local = process_device()
     if local == "none" or (name == "emulated") != (local == "emulated"):
         return None
     device = get_device(name)
@@ -147,6 +152,14 @@ def usable_device(name: str) -> Device | None:
     if device is not None and device.unusable_reason is not None:
         return None  # switched off in this process (Device.disable said why)
     return device
+
+
+def _setting_problem() -> str | None:
+    """The first problem with this process's own settings that the device path reads
+    (``eugo.device``, ``eugo.emulated.*``, the device settings), or None. A worker with an invalid
+    setting uses no device: its GPU tasks run their CPU path."""
+    problems = worker_setting_problems()
+    return problems[0] if problems else None
 
 
 _said: set[str] = set()
@@ -161,10 +174,10 @@ def _say_once(message: str) -> None:
 def why_no_device(name: str) -> str:
     """Why a task planned for device ``name`` finds none in this process (for its fallback
     reason and the worker's warning)."""
-    try:
-        local = process_device()
-    except ValueError as e:
-        return f"invalid setting: {e}"
+    problem = _setting_problem()
+    if problem is not None:
+        return f"invalid setting: {problem}"
+    local = process_device()
     if local == "none":
         return "eugo.device is 'none' on this worker"
     if name == "emulated" and local != "emulated":

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from eugo_dask.optimization import eugo
+from eugo_dask.optimization import bridge, eugo
 from eugo_dask.runtime import RAN_ON_CPU, RAN_ON_DEVICE
 
 #: An H200 beside a representative server CPU, both presets: plans that do not depend on the
@@ -48,8 +48,13 @@ H200_SERVER = {"base": "h200", "cpu": "server-x86"}
 def emulated_settings(*, min_speedup: float = 0, profile: Any = None,
                       resource: str = "GPU") -> dict[str, Any]:
     """Dask config that turns eugo on with the emulated device (``min_speedup=0``: every task
-    that can run on a device does, so a test exercises the device path)."""
+    that can run on a device does, so a test exercises the device path).
+
+    It carries eugo's hook (``array_optimize``) too: ``distributed.utils_test`` snapshots Dask's
+    config when it is imported and ``gen_cluster`` restores that snapshot before each test, so
+    where it was imported before ``eugo_dask`` the snapshot has no hook, and eugo would be off."""
     return {
+        "array_optimize": bridge,
         "optimizations": [eugo],
         "eugo.device": "emulated",
         "eugo.min-speedup": min_speedup,
@@ -92,7 +97,6 @@ def emulated_gpu_cluster(*, cpu_workers: int = 1, threads_per_worker: int = 1,
 
     with dask.config.set(emulated_settings(resource=resource, **settings)):
         with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
-            cluster.scheduler.add_plugin(EugoSchedulerPlugin(resource=resource))
             cluster.worker_spec.update({
                 "gpu": {"cls": Worker, "options": {"nthreads": threads_per_worker,
                                                     "resources": {resource: 1}}},
@@ -101,6 +105,9 @@ def emulated_gpu_cluster(*, cpu_workers: int = 1, threads_per_worker: int = 1,
             })
             cluster.scale(1 + cpu_workers)
             with Client(cluster) as client:
+                # registered as a user would: the scheduler starts it (scheduler.add_plugin
+                # would not), and it installs eugo's worker plugin on every worker
+                client.register_plugin(EugoSchedulerPlugin(resource=resource))
                 client.wait_for_workers(1 + cpu_workers, timeout=60)
                 yield client
 

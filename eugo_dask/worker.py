@@ -43,10 +43,10 @@ logger = logging.getLogger(__name__)
 
 def device_capability() -> tuple[str | None, str | None]:
     """(the device GPU tasks can use in this process, or None; why not, or None)."""
-    try:
-        setting = process_device()
-    except ValueError as e:
-        return None, f"invalid setting: {e}"
+    problems = worker_setting_problems()
+    if problems:
+        return None, f"invalid setting: {problems[0]}"
+    setting = process_device()
     if setting == "emulated":
         return ("emulated", None) if usable_device("emulated") else (None, why_no_device("emulated"))
     if setting == "none":

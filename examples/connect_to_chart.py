@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import time
 
 import dask
 import dask.array as da
@@ -26,9 +28,23 @@ def local_stand_in():
     import eugo_dask.plugin
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1},
-                      dashboard_address=":0") as cluster:
-        cluster.scheduler.add_plugin(eugo_dask.plugin.EugoSchedulerPlugin())
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(eugo_dask.plugin.EugoSchedulerPlugin())  # the chart preloads it
         yield cluster.scheduler_address
+
+
+def reported_summary(client: Client, timeout: float = 10.0) -> dict:
+    """The plugin's summary once the workers' reports (sent with their heartbeats, a second or
+    so after the tasks end) account for the GPU tasks the workers say they ran."""
+    per_process = client.run(lambda: (os.getpid(), eugo_dask.device_stats()["tasks"]))
+    ran = sum(dict(per_process.values()).values())  # workers sharing a process share its counts
+    deadline = time.monotonic() + timeout
+    while True:
+        summary = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+        if sum(summary["tasks"].get("gpu", {}).values()) >= ran or time.monotonic() > deadline:
+            return summary
+        time.sleep(0.2)
 
 
 def main() -> None:
@@ -45,8 +61,7 @@ def main() -> None:
             x = (a @ a.T).mean(axis=0)
             print(eugo_dask.explain(x))
             x.compute()
-            summary = client.run_on_scheduler(
-                lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+            summary = reported_summary(client)
             print("scheduler plugin:", {k: summary[k] for k in ("tasks", "bytes_h2d", "bytes_d2h",
                                                                 "fallbacks")})
 

@@ -114,6 +114,23 @@ def test_idempotent_through_dask_optimize(emulated):
     assert not any(p.startswith("eugo-gpu-eugo") for p in gpu_prefixes)
 
 
+def test_optimizing_an_optimized_collection_changes_nothing(emulated):
+    """dask.optimize twice (or optimize, then compute): Dask's linear fusion must not glue
+    eugo's copies to the reads and host tasks beside them the second time."""
+    a = da.from_array(A, chunks=100)
+    x = (np.exp(a) @ a.T).sum(axis=0)
+    (once,) = dask.optimize(x)
+    (twice,) = dask.optimize(once)
+    graph = dict(once.__dask_graph__())
+    assert dict(twice.__dask_graph__()).keys() == graph.keys()
+    assert any(key_split(k).startswith("eugo-todevice") for k in graph)
+    with dask.config.set(optimizations=[]):
+        assert_eq(twice.compute(scheduler="sync"), x.compute(scheduler="sync"))
+    # what is built on top is still optimized (culled) as Dask would: a slice computes a part
+    (part,) = dask.optimize(once[:1])
+    assert len(dict(part.__dask_graph__())) < len(graph)
+
+
 def test_direct_pass_keeps_output_keys_and_culls(emulated):
     x = da.from_array(A, chunks=100) * 2
     keys = x.__dask_keys__()

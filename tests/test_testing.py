@@ -74,3 +74,40 @@ async def test_workers_give_idle_device_memory_back_without_a_thread_of_their_ow
             break
         await asyncio.sleep(0.05)
     assert held() == 0
+
+
+USER_TEST = '''
+from distributed.utils_test import gen_cluster  # first, as a user's conftest may do
+
+import dask.array as da
+import numpy as np
+from dask.array.utils import assert_eq
+
+from eugo_dask.testing import cpu_worker, device_tasks, emulated_settings, gpu_worker
+
+A = np.random.default_rng(9).random((200, 200))
+
+
+@gen_cluster(client=True, nthreads=[gpu_worker(), cpu_worker()], config=emulated_settings())
+async def test_user_pipeline(c, s, gpu, cpu):
+    x = da.from_array(A, chunks=100)
+    assert_eq(await c.compute((x @ x.T + 1).sum(axis=0)), (A @ A.T + 1).sum(axis=0))
+    assert device_tasks(gpu) > 0
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_gen_cluster_runs_eugo_when_distributed_utils_test_is_imported_first(tmp_path):
+    """The module docstring's example in a user's project: distributed.utils_test snapshots
+    Dask's config on import, before eugo_dask has put its hook there."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_user.py").write_text(USER_TEST)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "test_user.py"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=170)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout
