@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import dask
 from dask._task_spec import GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
-from dask.base import tokenize
+from dask.base import is_dask_collection, tokenize
 
 from eugo_dask._version import __version__
 from eugo_dask.config import Settings, cluster_profile, history_path, read_settings, resolve_profile
@@ -456,6 +456,9 @@ def explain(collection: Any, **settings: Any) -> Plan:
         Iterate for one record per task; ``print`` for a table by task prefix; ``to_json()``;
         ``totals`` holds the what-if task-seconds all-CPU, all-GPU and as chosen.
     """
+    if not (is_dask_collection(collection) and hasattr(collection, "__dask_keys__")):
+        raise TypeError("explain() takes a Dask collection with an array graph (a dask.array "
+                        f"Array, or a collection of them); got {type(collection).__name__}")
     overrides = {f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}
     with dask.config.set(overrides):
         current = read_settings()

@@ -12,6 +12,7 @@ device layer did, and the address of the Eugo dashboard page. On a machine with 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from collections import Counter
 
@@ -28,13 +29,16 @@ def main() -> None:
     import eugo_dask.plugin
 
     workers = {
-        "gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1},
+        "gpu": {"cls": Nanny, "options": {"nthreads": 2, "resources": {"GPU": 1}, "silence_logs": logging.WARNING,
                                           "config": {"eugo": {"device": "emulated"}}}},
-        "cpu-1": {"cls": Nanny, "options": {"nthreads": 1, "config": {"eugo": {"device": "none"}}}},
-        "cpu-2": {"cls": Nanny, "options": {"nthreads": 1, "config": {"eugo": {"device": "none"}}}},
+        "cpu-1": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING,
+                                            "config": {"eugo": {"device": "none"}}}},
+        "cpu-2": {"cls": Nanny, "options": {"nthreads": 1, "silence_logs": logging.WARNING,
+                                            "config": {"eugo": {"device": "none"}}}},
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
-    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+    with SpecCluster(workers=workers, scheduler=scheduler, silence_logs=logging.WARNING) as cluster, \
+            Client(cluster) as client:
         client.register_plugin(eugo_dask.plugin.EugoSchedulerPlugin())
         n = 1024 if args.quick else 4096
         a = da.random.default_rng(0).random((n, n), chunks=n // 4, dtype=np.float32)

@@ -7,6 +7,7 @@ import json
 import dask
 import dask.array as da
 import numpy as np
+import pytest
 
 from eugo_dask import Decision, explain
 
@@ -85,3 +86,9 @@ def test_cli_writes_html(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "<table class='eugo'>" in out.read_text() and "eugo plan:" in result.stdout
+
+
+@pytest.mark.parametrize("thing", [np.ones(3), [1, 2], None])
+def test_explain_of_something_else_says_what_it_takes(thing):
+    with pytest.raises(TypeError, match=r"explain\(\) takes a Dask collection .*; got "):
+        explain(thing)
