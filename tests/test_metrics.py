@@ -1,0 +1,90 @@
+"""eugo_dask.metrics: the scheduler's /metrics says what the workers report they ran."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+
+import eugo_dask
+from eugo_dask.metrics import EugoCollector
+from eugo_dask.testing import emulated_gpu_cluster
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+A = np.random.default_rng(3).random((300, 200))
+
+
+def pipeline():
+    x = da.from_array(A, chunks=100)
+    return (np.exp(x / 4) @ x.T).sum(axis=0)
+
+
+def scrape(client) -> dict[str, dict[tuple, float]]:
+    """The eugo_* samples of the scheduler's /metrics: name -> {sorted labels: value}."""
+    url = client.dashboard_link.replace("/status", "/metrics")
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("eugo_"):
+                samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def test_metrics_are_what_the_workers_ran():
+    with emulated_gpu_cluster(cpu_workers=1) as client:
+        assert_eq(client.compute(pipeline()).result(timeout=60), (np.exp(A / 4) @ A.T).sum(axis=0))
+        worker = {name: stats for name, stats in (
+            client.run(lambda dask_worker: (dask_worker.name, eugo_dask.device_stats()))).values()}
+        # workers share this process: its device counters are the GPU worker's
+        ran, h2d = worker["gpu"]["tasks"], worker["gpu"]["h2d_bytes"]
+        assert ran > 0 and h2d > 0
+        deadline = time.monotonic() + 30  # the counts arrive with the workers' heartbeats
+        while True:
+            samples = scrape(client)
+            on_gpu = sum(v for labels, v in samples.get("eugo_tasks_total", {}).items()
+                         if ("device", "gpu") in labels)
+            if on_gpu >= ran or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert on_gpu == ran
+        transfer = samples["eugo_transfer_bytes_total"]
+        assert transfer[(("direction", "host_to_device"),)] == h2d
+        assert samples["eugo_pass_errors_total"][()] == 0
+        assert samples["eugo_plugin_errors_total"][()] == 0
+        assert samples["eugo_gpu_workers_without_device"][()] == 0
+        assert samples["eugo_metrics_errors_total"][()] == 0
+
+
+def test_a_scheduler_without_the_plugin_exposes_only_the_error_counter():
+    class Scheduler:
+        plugins: dict = {}
+
+    scheduler = Scheduler()
+    collector = EugoCollector()
+    collector.attach(scheduler)
+    names = [family.name for family in collector.collect()]
+    assert names == ["eugo_metrics_errors"]
+
+
+def test_a_failing_scrape_is_counted_not_raised():
+    class Broken:
+        def summary(self):
+            raise RuntimeError("boom")
+
+    class Scheduler:
+        plugins = {"eugo": Broken()}
+
+    scheduler = Scheduler()
+    collector = EugoCollector()
+    collector.attach(scheduler)
+    (errors,) = list(collector.collect())
+    assert errors.name == "eugo_metrics_errors" and errors.samples[0].value == 1
