@@ -20,6 +20,7 @@ import contextvars
 import gc
 import json
 import logging
+import pickle
 import sys
 import time
 import warnings
@@ -105,10 +106,13 @@ def _running_scheduler() -> Any:
 
 
 def _tell_scheduler(scheduler: Any, warning: str) -> None:
-    """Log a warning and hand it to the scheduler's event log (the eugo plugin shows it), from
-    the thread Dask materializes graphs in."""
+    """Log a warning, hand it to the scheduler's event log (the eugo plugin shows it) and to the
+    clients (distributed's "warn" topic, which ``worker.warn`` uses too: a client shows it as a
+    ``RuntimeWarning``), from the thread Dask materializes graphs in."""
     logger.warning(warning)
     scheduler.loop.add_callback(scheduler.log_event, EVENT_TOPIC, {"warning": warning})
+    scheduler.loop.add_callback(scheduler.log_event, "warn", {
+        "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
 
 
 def _may_be_ours(key: Key) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+import warnings
 
 import dask
 import dask.array as da
@@ -178,14 +179,18 @@ def test_unsatisfiable_resource_request_is_never_made(tmp_path, case):
         workers, preload, settings = {"gpu": {"gpu": True}, "cpu": {}}, True, {"eugo.resource": "gpu"}
     else:
         workers, preload, settings = {"cpu-1": {}, "cpu-2": {}}, False, {}
+    resource = settings.get("eugo.resource", "GPU")
+    told = f"no worker advertises the resource {resource!r}"
     with process_cluster(tmp_path, workers=workers, preload_plugin=preload) as (cluster, client):
-        with dask.config.set({**SETTINGS, **settings}):
-            assert_eq(client.compute(pipeline()).result(timeout=30), EXPECTED)
+        with warnings.catch_warnings(record=True) as caught:  # the client is told too
+            warnings.simplefilter("always")
+            with dask.config.set({**SETTINGS, **settings}):
+                assert_eq(client.compute(pipeline()).result(timeout=30), EXPECTED)
+            assert wait_until(lambda: [w for w in caught if told in str(w.message)
+                                       and w.category is RuntimeWarning])
         events = wait_until(lambda: client.get_events("eugo"))
-        resource = settings.get("eugo.resource", "GPU")
-        assert any(f"no worker advertises the resource {resource!r}" in e[1].get("warning", "")
-                   for e in events)
-        assert f"no worker advertises the resource {resource!r}" in cluster.logs()
+        assert any(told in e[1].get("warning", "") for e in events)
+        assert told in cluster.logs()
 
 
 # ---------------------------------------------------------------------------------------------
