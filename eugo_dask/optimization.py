@@ -86,9 +86,13 @@ def _current_settings() -> Settings:
         if frozen.device != "none":
             # a resource request nothing can satisfy would wait forever in no-worker
             advertised = sorted({r for ws in workers for r in ws.resources})
+            # a cluster without GPU workers is no mistake (unsupported work stays on the CPU
+            # silently); workers that advertise other resources suggest a misspelt one, which
+            # the client hears of too
             _tell_scheduler(scheduler, (
                 f"eugo: no worker advertises the resource {frozen.resource!r} (workers "
-                f"advertise: {advertised or 'none'}); this graph runs unchanged on the CPU"))
+                f"advertise: {advertised or 'none'}); this graph runs unchanged on the CPU"),
+                client=bool(advertised))
         return Settings(**{**frozen.to_dict(), "device": "none"})
     return frozen.resolved(gpu_workers=True)
 
@@ -105,14 +109,15 @@ def _running_scheduler() -> Any:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _tell_scheduler(scheduler: Any, warning: str) -> None:
-    """Log a warning, hand it to the scheduler's event log (the eugo plugin shows it) and to the
-    clients (distributed's "warn" topic, which ``worker.warn`` uses too: a client shows it as a
-    ``RuntimeWarning``), from the thread Dask materializes graphs in."""
+def _tell_scheduler(scheduler: Any, warning: str, *, client: bool) -> None:
+    """Log a warning and hand it to the scheduler's event log (the eugo plugin shows it), from
+    the thread Dask materializes graphs in; with ``client``, to the clients too (distributed's
+    "warn" topic, which ``worker.warn`` uses: a client shows it as a ``RuntimeWarning``)."""
     logger.warning(warning)
     scheduler.loop.add_callback(scheduler.log_event, EVENT_TOPIC, {"warning": warning})
-    scheduler.loop.add_callback(scheduler.log_event, "warn", {
-        "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
+    if client:
+        scheduler.loop.add_callback(scheduler.log_event, "warn", {
+            "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
 
 
 def _may_be_ours(key: Key) -> bool:
