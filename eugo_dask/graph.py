@@ -253,27 +253,32 @@ def alias_targets(dsk: Graph) -> dict[Key, Key]:
 
 
 def toposort(dsk: Graph) -> list[Key]:
-    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm)."""
-    waiting: dict[Key, int] = {}
-    dependents: dict[Key, list[Key]] = defaultdict(list)
-    ready = []
+    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm, last ready first)."""
+    # Once per key of graphs a million keys large, where a lookup in a dict that size is what
+    # costs: each key has a cell [dependencies not yet ordered, key] and the keys it depends on
+    # list the cells themselves, so ordering a key updates its dependents without a lookup per
+    # edge.
+    cells = []
+    dependents: defaultdict[Key, list[list[Any]]] = defaultdict(list)
     for k, node in dsk.items():
-        n = 0
-        for d in node.dependencies:
-            if d in dsk:
-                dependents[d].append(k)
-                n += 1
-        waiting[k] = n
-        if not n:
-            ready.append(k)
+        deps = node.dependencies
+        cell = [len(deps), k]
+        cells.append(cell)
+        for d in deps:
+            dependents[d].append(cell)
+    for d, waiting in dependents.items():
+        if d not in dsk:  # a dependency from outside the graph: nothing to wait for
+            for cell in waiting:
+                cell[0] -= 1
+    ready = [cell[1] for cell in cells if not cell[0]]
     order = []
     while ready:
         k = ready.pop()
         order.append(k)
-        for dep in dependents.get(k, ()):
-            waiting[dep] -= 1
-            if not waiting[dep]:
-                ready.append(dep)
+        for cell in dependents.get(k, ()):
+            cell[0] -= 1
+            if not cell[0]:
+                ready.append(cell[1])
     if len(order) != len(dsk):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
     return order

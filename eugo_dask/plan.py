@@ -287,10 +287,9 @@ def place(
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
-    for k in description.order:
-        est = estimates.get(k)
-        if est is None:
-            continue
+    # ``estimates`` holds the described tasks in dependency order: iterating it skips the
+    # others without a lookup each
+    for k, est in estimates.items():
         inputs = reads[k]
         lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
@@ -312,14 +311,19 @@ def place(
         too_big = capable and device is not None and working_set_bytes(est) > device_memory_bytes
         if capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
             placement: Placement = GPU
-            h2d_done.update(d for d in inputs if d not in on_gpu)
+            # the inputs not on the device are copied there; adding those already on it too
+            # changes nothing (a key on the device is never looked up in h2d_done) and is one
+            # C-level update
+            h2d_done.update(inputs)
             on_gpu.add(k)
             if d2h_out:
                 d2h_done.add(k)
             chosen = gpu_total
         else:
             placement = CPU
-            d2h_done.update(d for d in inputs if d in on_gpu)
+            # likewise: the inputs on the device are copied back, and a key on the host (placed
+            # already: inputs come first) is never looked up in d2h_done
+            d2h_done.update(inputs)
             chosen = cpu_total
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
