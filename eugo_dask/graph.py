@@ -170,6 +170,33 @@ class Fused(NamedTuple):
         return {p: (d.key if type(d) is TaskRef else d) for p, d in zip(self.inkeys, self.deps)}
 
 
+#: The attributes a Task holds (Dask 2026.8); where they match, :func:`new_task` fills them in
+#: itself rather than have ``Task.__init__`` work the dependencies out again.
+_TASK_SLOTS = ("key", "_dependencies", "func", "args", "kwargs", "_data_producer", "_token",
+               "_is_coro", "_repr")
+_TASK_SLOTS_MATCH = sorted(_TASK_SLOTS) == sorted(
+    slot for cls in Task.__mro__ for slot in getattr(cls, "__slots__", ()))
+
+
+def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             dependencies: frozenset[Key], data_producer: bool = False) -> Task:
+    """``Task(key, func, *args, _data_producer=data_producer, **kwargs)`` whose
+    ``dependencies`` (the keys its arguments reference) the caller already knows: made for
+    every rewritten task of graphs a million tasks large, where ``Task.__init__``'s walk over
+    the arguments is a good part of the cost."""
+    if not _TASK_SLOTS_MATCH:  # another Dask: its own constructor
+        return Task(key, func, *args, _data_producer=data_producer, **kwargs)
+    task = _new_object(Task)
+    task.key, task._dependencies, task.func = key, dependencies or _NO_DEPENDENCIES, func
+    task.args, task.kwargs, task._data_producer = args, kwargs, data_producer
+    task._token = task._is_coro = task._repr = None
+    return task
+
+
+_new_object = object.__new__
+_NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
+
+
 def is_fused(node: GraphNode) -> bool:
     return type(node) is Task and node.func is _execute_subgraph
 

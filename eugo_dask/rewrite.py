@@ -27,7 +27,7 @@ from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
-from eugo_dask.graph import Graph, Key, alias_targets, fused
+from eugo_dask.graph import Graph, Key, alias_targets, fused, new_task
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
@@ -222,52 +222,62 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     targets = alias_targets(dsk)
     roles: dict[Key, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
-    on_device: dict[Key, Key] = {}  # a GPU task's key, or a host result's -> its device copy
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
-    calls: dict[tuple[int, str], tuple[Any, DeviceCall]] = {}  # one per function and layer
+    # one DeviceCall per function and layer, and the layer's device name
+    calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
 
-    def device_input(dep: Key) -> Key:
-        source: Key = targets.get(dep, dep)
-        known = on_device.get(source)
-        if known is not None:
-            return known
-        if source in gpu:  # (the plan is in dependency order: never, in practice)
-            return prefixed_key(source, GPU_PREFIX, token)
-        on_device[source] = key = prefixed_key(source, H2D_PREFIX, token)
-        out[key] = Task(key, to_device, TaskRef(source), device)
-        roles[key] = (TODEVICE_ROLE, None, None)
-        origin[key] = source
-        return key
+    class OnDevice(dict[Key, TaskRef]):
+        """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to
+        its device copy; a host result's copy task is written the first time it is asked for.
+        One reference per copy, shared by its consumers."""
 
-    # the loop runs once per task of graphs a million tasks large: what one task of a layer
-    # works out (its DeviceCall, its fused inner graph on the device), every task shares
-    for decision in plan:
-        key = decision.key
+        def __missing__(self, dep: Key) -> TaskRef:
+            source: Key = targets.get(dep, dep)
+            ref = self.get(source)
+            if ref is None:
+                if source in gpu:  # (the plan is in dependency order: never, in practice)
+                    ref = TaskRef(prefixed_key(source, GPU_PREFIX, token))
+                else:
+                    key = prefixed_key(source, H2D_PREFIX, token)
+                    out[key] = Task(key, to_device, TaskRef(source), device)
+                    roles[key] = (TODEVICE_ROLE, None, None)
+                    origin[key] = source
+                    ref = self[source] = TaskRef(key)
+            self[dep] = ref
+            return ref
+
+    on_device = OnDevice()
+    # The loop runs once per task of graphs a million tasks large: what one task of a layer
+    # works out (its DeviceCall, its device name, its fused inner graph on the device), every
+    # task shares; the device task is made with the dependencies already known (new_task).
+    for key, decision in plan.decisions.items():
         if decision.device != GPU:
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
         node = dsk[key]
         assert type(node) is Task, node
-        subs = {d: device_input(d) for d in node.dependencies}
-        args = tuple([TaskRef(subs[a.key]) if type(a) is TaskRef
-                      else a.substitute(subs) if isinstance(a, GraphNode) else a
-                      for a in node.args])
+        subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
+        args = [on_device[a.key] if type(a) is TaskRef
+                else a.substitute(subs) if isinstance(a, GraphNode) else a
+                for a in node.args]
         kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
         parts = fused(node)
         if parts is not None:
             inner = parts.inner  # shared by every chunk of a blockwise layer: rewrite it once
             if id(inner) not in inner_on_device:
                 inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
-            args = (inner_on_device[id(inner)], *args[1:])
+            args[0] = inner_on_device[id(inner)]
+        func = node.func
         name = key[0] if type(key) is tuple else key
-        call = calls.get((id(node.func), name))
+        call = calls.get((id(func), name))
         if call is None:
-            call = calls[(id(node.func), name)] = (
-                node.func, DeviceCall(node.func, device, key_split(key)))
-        device_key = on_device[key] = prefixed_key(key, GPU_PREFIX, token)
-        out[device_key] = Task(device_key, call[1], *args, _data_producer=node.data_producer,
-                               **kwargs)
+            call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
+                                              prefixed_key(name, GPU_PREFIX, token))
+        device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
+        out[device_key] = new_task(device_key, call[0], tuple(args), kwargs,
+                                   frozenset(subs.values()), node.data_producer)
+        on_device[key] = TaskRef(device_key)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         origin[device_key] = key
         if key in host_needed:
@@ -289,7 +299,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     graph = _renamed_graph(out, renames)
     roles = {renames.get(k, k): r for k, r in roles.items()}
     carried = _carried(how.carried, renames, origin) if how.carried else {}
-    executed = {k: on_device[k] if k in gpu else renames.get(k, k) for k in plan.decisions}
+    executed = {k: on_device[k].key if k in gpu else renames.get(k, k) for k in plan.decisions}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
         for key, entry in roles.items():
