@@ -60,8 +60,9 @@ class Decision:
                  "_d2h_in_s", "_min_speedup", "_memory_limit")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
-                 cpu_s: float, h2d_s: float, d2h_s: float, *, lanes: int, d2h_in_s: float,
+                 cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None) -> None:
+        # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
@@ -308,7 +309,8 @@ def place(
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
         capable = est.gpu_capable
-        too_big = capable and device is not None and working_set_bytes(est) > device_memory_bytes
+        too_big = (capable and device is not None  # working_set_bytes(est), inline
+                   and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
         if capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
             placement: Placement = GPU
             # the inputs not on the device are copied there; adding those already on it too
@@ -328,10 +330,9 @@ def place(
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
         as_chosen += chosen
-        decisions[k] = Decision(
-            k, placement, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,
-            min_speedup=min_speedup, memory_limit=device_memory_bytes if too_big else None,
-        )
+        decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,  # lanes,
+                                lanes, d2h_in, min_speedup,  # d2h_in_s, min_speedup, memory_limit
+                                device_memory_bytes if too_big else None)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
 
     return Plan(

@@ -203,10 +203,20 @@ class Rewrite(NamedTuple):
 
 
 class Rewritten(NamedTuple):
-    """The rewritten graph, and for each planned task the key it runs under."""
+    """The rewritten graph, and what :attr:`executed` is worked out from (only learning needs
+    it)."""
 
     graph: HighLevelGraph
-    executed: dict[Key, Key]
+    plan: Plan
+    on_device: dict[Key, TaskRef]  # a GPU task's key -> its device task
+    renames: dict[Key, Key]
+
+    @property
+    def executed(self) -> dict[Key, Key]:
+        """For each planned task, the key it runs under."""
+        on_device, renames = self.on_device, self.renames
+        return {k: on_device[k].key if d.device == GPU else renames.get(k, k)
+                for k, d in self.plan.decisions.items()}
 
 
 def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, outputs: set[Key],
@@ -223,8 +233,10 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     roles: dict[Key, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
-    # one DeviceCall per function and layer, and the layer's device name
+    # one DeviceCall per function and layer, and the layer's device name: by function and
+    # layer, and the last one by layer (a layer has one function: one lookup by its name)
     calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
+    layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
 
     class OnDevice(dict[Key, TaskRef]):
         """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to
@@ -270,10 +282,13 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             args[0] = inner_on_device[id(inner)]
         func = node.func
         name = key[0] if type(key) is tuple else key
-        call = calls.get((id(func), name))
-        if call is None:
-            call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
-                                              prefixed_key(name, GPU_PREFIX, token))
+        call = layer_calls.get(name)
+        if call is None or call[0].func is not func:
+            call = calls.get((id(func), name))
+            if call is None:
+                call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
+                                                  prefixed_key(name, GPU_PREFIX, token))
+            layer_calls[name] = call
         device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
         out[device_key] = new_task(device_key, call[0], tuple(args), kwargs,
                                    frozenset(subs.values()), node.data_producer)
@@ -297,15 +312,16 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
 
     renames = _renames(out, order, original, outputs, set(origin), token)
     graph = _renamed_graph(out, renames)
-    roles = {renames.get(k, k): r for k, r in roles.items()}
+    if renames:
+        roles = {renames.get(k, k): r for k, r in roles.items()}
     carried = _carried(how.carried, renames, origin) if how.carried else {}
-    executed = {k: on_device[k].key if k in gpu else renames.get(k, k) for k in plan.decisions}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
         for key, entry in roles.items():
             if entry[0] in DEVICE_ROLES:
                 user[key] = {**how.resources, **(user.get(key) or {})}
-    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), executed)
+    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), plan,
+                     on_device, renames)
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
@@ -329,17 +345,20 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
 def _renamed_graph(out: Graph, renames: dict[Key, Key]) -> dict[Key, GraphNode]:
     if not renames:
         return dict(out)
-    graph: dict[Key, GraphNode] = {}
-    for key, node in out.items():
-        new_key = renames[key] if key in renames else key
-        if isinstance(node, Alias):  # (Alias.substitute keeps its key when nothing else changes)
-            target: Key = node.target
-            if new_key != key or target in renames:
-                node = Alias(new_key, renames.get(target, target))
-        elif new_key != key or not renames.keys().isdisjoint(node.dependencies):
-            node = node.substitute(renames, key=new_key)
-        graph[new_key] = node
-    return graph
+    # Few nodes change (the renamed ones and their readers) but every one is visited: one
+    # C-level test each to find those, then the new dict in one comprehension, in order.
+    renamed = renames.keys()
+    changed = {key: _renamed_node(key, node, renames) for key, node in out.items()
+               if key in renames or not renamed.isdisjoint(node.dependencies)}
+    return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
+
+
+def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNode:
+    new_key: Key = renames.get(key, key)
+    if isinstance(node, Alias):  # (Alias.substitute keeps its key when nothing else changes)
+        target: Key = node.target
+        return Alias(new_key, renames.get(target, target))
+    return node.substitute(renames, key=new_key)
 
 
 def _carried(user: dict[str, dict[Key, Any]], renames: dict[Key, Key],
