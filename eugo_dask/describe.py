@@ -200,8 +200,10 @@ class TaskDescriber:
             follow_key: tuple[Any, ...] = (id(parts.inner), *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
         else:  # one function: its own arguments are all there is to follow
-            follow_key = (id(node.func), *(_freeze(_resolve(a, values)) for a in node.args),
-                          *((k, _freeze(_resolve(v, values))) for k, v in node.kwargs.items()))
+            follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
+            if node.kwargs:
+                follow_key += tuple([(k, _freeze(_resolve(v, values)))
+                                     for k, v in node.kwargs.items()])
             layer = key_name(key)
         result = self._results.get((follow_key, layer))
         if result is not None:
@@ -297,10 +299,14 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     # Once per task of graphs a million tasks large: chunk tasks (the common case) first, and
     # an alias's own entry in ``values`` holds its target's, so a task's inputs are read from
     # ``values`` by the keys the task names, aliases or not.
+    ours: dict[int, bool] = {}  # id(func) -> whether eugo put it there (the graph keeps it alive)
     for k in order:
         node = dsk[k]
         if type(node) is Task:
-            if not is_fused(node) and is_eugo_callable(node.func):
+            written = ours.get(id(node.func))
+            if written is None:
+                written = ours[id(node.func)] = not is_fused(node) and is_eugo_callable(node.func)
+            if written:
                 specs[k] = None
                 values[k] = UNKNOWN_ARRAY
                 continue

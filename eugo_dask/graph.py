@@ -207,7 +207,11 @@ def fused(node: GraphNode) -> Fused | None:
     if type(node) is not Task or node.func is not _execute_subgraph:
         return None
     args = node.args
-    return Fused(args[0], args[1], args[2], args[3:])
+    # tuple.__new__ directly: a NamedTuple's own __new__ is a Python function
+    return _new_tuple(Fused, (args[0], args[1], args[2], args[3:]))
+
+
+_new_tuple = tuple.__new__
 
 
 def fused_output(node: GraphNode) -> GraphNode | None:

@@ -181,6 +181,29 @@ def is_inner_source(node: GraphNode) -> bool:
     return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
+def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
+    """``node.substitute(subs)`` for a node nested in a GPU task's arguments, ``subs`` mapping
+    every key the task reads to its device copy. The common shape (a tree reduction's
+    ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per chunk) is rebuilt here with its
+    dependencies known, as Dask's ``Task.substitute`` would rebuild it; anything else by that."""
+    if type(node) is not Task or not node.dependencies:
+        return node.substitute(subs)
+    args: list[Any] = []
+    for a in node.args:
+        if type(a) is Alias and a.key == a.target:  # a reference by alias: Alias(k) -> Alias(k')
+            args.append(Alias(subs[a.key], subs[a.key]))
+        elif type(a) is TaskRef:
+            args.append(TaskRef(subs[a.key]))
+        elif isinstance(a, GraphNode):
+            return node.substitute(subs)
+        else:
+            args.append(a)
+    if any(isinstance(v, (GraphNode, TaskRef)) for v in node.kwargs.values()):
+        return node.substitute(subs)
+    return new_task(node.key, node.func, tuple(args), dict(node.kwargs),
+                    frozenset([subs[d] for d in node.dependencies]), node.data_producer)
+
+
 def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
     if type(arg) is TaskRef:
         return TaskRef(subs[arg.key]) if arg.key in subs else arg
@@ -271,7 +294,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         assert type(node) is Task, node
         subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
         args = [on_device[a.key] if type(a) is TaskRef
-                else a.substitute(subs) if isinstance(a, GraphNode) else a
+                else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
                 for a in node.args]
         kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
         parts = fused(node)
