@@ -297,10 +297,9 @@ def toposort(dsk: Graph) -> list[Key]:
         cells.append(cell)
         for d in deps:
             dependents[d].append(cell)
-    for d, waiting in dependents.items():
-        if d not in dsk:  # a dependency from outside the graph: nothing to wait for
-            for cell in waiting:
-                cell[0] -= 1
+    for d in dependents.keys() - dsk.keys():  # from outside the graph: nothing to wait for
+        for cell in dependents[d]:
+            cell[0] -= 1
     ready = [cell[1] for cell in cells if not cell[0]]
     order = []
     while ready:

@@ -273,7 +273,7 @@ def place(
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
     estimates, specs, reads = description.estimates, description.specs, description.inputs
-    width = Counter(k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task)
+    width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
     threads = profile.cpu.threads
     lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
     host_regardless = _needs_host_regardless(dsk, description, outputs)
