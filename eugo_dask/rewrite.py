@@ -250,7 +250,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     one of the ``outputs``, so a key keeps one meaning whoever computes it."""
     device, token = how.device, how.token
     out = dict(dsk)
-    gpu = set(plan.gpu_keys)
+    gpu: set[Key] = set()  # the GPU tasks (filled in as the loop below meets them)
     host_needed = plan.host_needed
     targets = alias_targets(dsk)
     roles: dict[Key, RoleEntry] = {}
@@ -270,7 +270,9 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             source: Key = targets.get(dep, dep)
             ref = self.get(source)
             if ref is None:
-                if source in gpu:  # (the plan is in dependency order: never, in practice)
+                placed = plan.decisions.get(source)
+                if placed is not None and placed.device == GPU:
+                    # (the plan is in dependency order: never, in practice)
                     ref = TaskRef(prefixed_key(source, GPU_PREFIX, token))
                 else:
                     key = prefixed_key(source, H2D_PREFIX, token)
@@ -290,6 +292,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
+        gpu.add(key)
         node = dsk[key]
         assert type(node) is Task, node
         subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
