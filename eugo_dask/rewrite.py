@@ -100,6 +100,11 @@ class TaskRoles:
     ``finalize`` and I/O, which belong on CPU workers), and every annotation the user put on
     the original tasks (``carried``: type -> key -> value). Keys with nothing get None, which
     the scheduler ignores.
+
+    The scheduler keeps each task's annotations (half a million of them for a large graph):
+    tasks with the same role and estimates share one ``eugo`` dict, and device tasks without
+    resources of the user's own share one ``resources`` dict (neither Dask nor eugo's plugin
+    changes an annotation in place).
     """
 
     def __init__(self, roles: dict[Key, RoleEntry], resource: str,
@@ -107,17 +112,28 @@ class TaskRoles:
         self.roles = roles
         self.resource = resource
         self.carried = carried or {}
+        self._shared: dict[RoleEntry, dict[str, Any]] = {}
+        self._device_resources = {resource: 1}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TaskRoles, (self.roles, self.resource, self.carried))
 
     def value(self, kind: str, key: Key) -> Any:
         """The ``kind`` annotation of ``key``."""
         if kind == "eugo":
             role = self.roles.get(key)
-            return None if role is None else {"role": role[0], "cpu_s": role[1], "est_s": role[2]}
+            if role is None:
+                return None
+            shared = self._shared.get(role)
+            if shared is None:
+                shared = self._shared[role] = {"role": role[0], "cpu_s": role[1],
+                                               "est_s": role[2]}
+            return shared
         user = self.carried.get(kind, {}).get(key)
         if kind == "resources":
             role = self.roles.get(key)
             if role is not None and role[0] in DEVICE_ROLES:
-                return {**(user or {}), self.resource: 1}
+                return {**user, self.resource: 1} if user else self._device_resources
         return user
 
     def annotations(self) -> dict[str, Any]:
