@@ -12,7 +12,8 @@ device) that is paused, so nothing runs and only the submission is timed:
 - ``loop_blocked_s``: the time the loop lost in all stalls over 50 ms;
 - ``update_s``, ``materialize_s``: the scheduler's own ``update-graph`` metrics;
 - ``rss_peak_gib``: the scheduler process's peak resident memory growth over its idle size,
-  sampled every 20 ms.
+  sampled every 20 ms;
+- ``tasks``: how many tasks the scheduler then holds (eugo's rewrite adds copy tasks).
 """
 
 from __future__ import annotations
@@ -61,13 +62,17 @@ def _pause(dask_worker: Any) -> None:
     dask_worker.status = Status.paused
 
 
+def _task_count(dask_scheduler: Any) -> int:
+    return len(dask_scheduler.tasks)
+
+
 def _graph_updates(client: Any) -> list[dict[str, Any]]:
     return [msg for _, msg in client.get_events("scheduler")
             if isinstance(msg, dict) and msg.get("action") == "update-graph"]
 
 
 def measure_submission(build: Callable[[], Any], settings: dict[str, Any],
-                       timeout_s: float = 1800) -> dict[str, float]:
+                       timeout_s: float = 1800) -> dict[str, Any]:
     """Submit ``build()`` under ``settings`` to a fresh scheduler; the figures above."""
     here = str(Path(__file__).resolve().parent)  # the processes unpickle this module's probes
     with tempfile.TemporaryDirectory() as logs, process_cluster(
@@ -104,8 +109,12 @@ def measure_submission(build: Callable[[], Any], settings: dict[str, Any],
         if update.get("status") != "OK":
             raise RuntimeError(f"the scheduler did not take the graph: {update}")
         metrics = update["metrics"]
+        tasks = client.run_on_scheduler(_task_count)
         client.cancel(future)
+        # a paused worker can take the cluster's whole shutdown grace period to stop: it has
+        # nothing to keep
+        cluster.kill("gpu")
         return {"loop_max_s": loop["max"], "loop_blocked_s": loop["blocked"],
                 "update_s": metrics["duration_seconds"],
                 "materialize_s": metrics["materialization_duration_seconds"],
-                "rss_peak_gib": (peak[0] - base) / 2**30}
+                "rss_peak_gib": (peak[0] - base) / 2**30, "tasks": tasks}

@@ -12,8 +12,15 @@ are timed side by side in one run, alternating, best of N:
 Prints tasks, seconds, the ratios to Dask's optimization (goal <= 0.5) and eugo's microseconds
 per task (flat as the graph grows means linear).
 
-    python benchmarks/pass_overhead.py            # ~6,000 to ~900,000 tasks
-    python benchmarks/pass_overhead.py --quick    # ~900 and ~6,000 tasks
+Then the same pipeline submitted to a distributed scheduler (a separate process, see
+``_scheduler_submit.py``), plain, ``plan`` and ``rewrite``, each on a fresh cluster: how long the
+scheduler's event loop was blocked while it took the graph (Dask's optimization and eugo's pass
+run in an offload thread that shares the GIL with the loop), the scheduler's ``update-graph``
+times and its peak memory growth, with eugo's loop blocking and memory as ratios to plain Dask's
+(goal: not much above 1).
+
+    python benchmarks/pass_overhead.py            # ~6,000 to ~900,000 tasks; scheduler ~515,000
+    python benchmarks/pass_overhead.py --quick    # ~900 and ~6,000 tasks; scheduler ~6,000
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ import _common
 import dask
 import dask.array as da
 import numpy as np
+from _scheduler_submit import measure_submission
 from dask.array.optimization import optimize as dask_optimize
 
 from eugo_dask.graph import ChunkInfo
 from eugo_dask.optimization import eugo
+
+SETTINGS = {"eugo.device": "emulated", "eugo.profile": {"base": "h200", "cpu": "server-x86"}}
 
 
 def pipeline(blocks: int):
@@ -55,20 +65,47 @@ def _with_min_speedup_zero(fn):
         return fn()
 
 
+def submission(blocks: int) -> dict[str, dict]:
+    """The pipeline submitted to a fresh scheduler per mode (see ``_scheduler_submit.py``)."""
+    eugo_on = {"optimizations": [eugo], **SETTINGS}
+    modes = {"plain": {"optimizations": []}, "plan": eugo_on,
+             "rewrite": {**eugo_on, "eugo.min-speedup": 0}}
+    return {mode: measure_submission(lambda: pipeline(blocks), settings)
+            for mode, settings in modes.items()}
+
+
+def print_submission(blocks: int) -> None:
+    results = submission(blocks)
+    plain = results["plain"]
+    print(f"\non a scheduler: the pipeline with blocks={blocks} submitted, one fresh cluster each "
+          f"(loop: the scheduler's event loop)")
+    print(f"{'mode':<8} {'tasks':>9} {'loop max s':>11} {'blocked s':>10} {'update s':>9} "
+          f"{'materialize s':>14} {'RSS GiB':>8} {'blocked/plain':>14} {'RSS/plain':>10}")
+    for mode, r in results.items():
+        print(f"{mode:<8} {r['tasks']:>9} {r['loop_max_s']:>11.2f} {r['loop_blocked_s']:>10.2f} "
+              f"{r['update_s']:>9.2f} {r['materialize_s']:>14.2f} {r['rss_peak_gib']:>8.2f} "
+              f"{_ratio(r['loop_blocked_s'], plain['loop_blocked_s']):>14} "
+              f"{_ratio(r['rss_peak_gib'], plain['rss_peak_gib']):>10}", flush=True)
+
+
+def _ratio(value: float, plain: float) -> str:
+    return f"{value / plain:.2f}" if plain > 0 else "-"
+
+
 def main() -> None:
     args = _common.parse_args(_common.benchmark_parser(__doc__))
     sizes = [8, 16] if args.quick else [16, 24, 48, 64, 88]
     repeat = 2 if args.quick else 3
-    settings = {"eugo.device": "emulated", "eugo.profile": {"base": "h200", "cpu": "server-x86"}}
     print(f"{'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} {'µs/task':>8} "
           f"{'rewrite s':>10} {'rewrite/dask':>13} {'µs/task':>8}")
-    with dask.config.set(settings):
+    with dask.config.set(SETTINGS):
         for blocks in sizes:
             r = measure(blocks, repeat)
             n = r["tasks"]
             print(f"{n:>9} {r['dask']:>8.3f} {r['plan']:>8.3f} {r['plan'] / r['dask']:>10.2f} "
                   f"{1e6 * r['plan'] / n:>8.1f} {r['rewrite']:>10.3f} "
                   f"{r['rewrite'] / r['dask']:>13.2f} {1e6 * r['rewrite'] / n:>8.1f}", flush=True)
+    print_submission(16 if args.quick else 72)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from eugo_dask.graph import (
     alias_targets,
     execution_order,
     fused,
+    is_fused,
     key_name,
     toposort,
 )
@@ -181,29 +182,33 @@ class TaskDescriber:
             cached = self._structures[id(parts.inner)] = _Structure(parts)
         return cached
 
-    def describe(self, key: Key, node: Task, inputs: Mapping[Key, Value]
+    def describe(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
                  ) -> tuple[Estimate, ArraySpec | None, Value]:
-        """Estimate one task and infer its output chunk's spec. ``inputs``: what each
-        dependency holds (a chunk's spec, :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a
-        literal such as an array-like a read takes its chunk from). Returns the estimate, the
-        output spec and what the task hands on (its spec, or a tuple of them).
+        """Estimate one task and infer its output chunk's spec. ``deps``: the keys it reads;
+        ``values``: what each key described so far holds (a chunk's spec,
+        :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a literal such as an array-like a read takes
+        its chunk from; an alias holds its target's). Returns the estimate, the output spec and
+        what the task hands on (its spec, or a tuple of them).
 
         Chunks of one layer with the same inputs get the same answer: it is worked out once
-        (the pass runs this for every task of graphs a million tasks large)."""
+        (the pass runs this for every task of graphs a million tasks large), and the lookup
+        reads ``values`` directly rather than building a dict of the task's inputs first."""
         parts = fused(node)
         if parts is not None:
-            deps = parts.deps
-            env_values = [inputs.get(d.key, UNKNOWN_ARRAY) if type(d) is TaskRef
-                          else _resolve(d, inputs) for d in deps]
+            env_values = [values.get(d.key, UNKNOWN_ARRAY) if type(d) is TaskRef
+                          else _resolve(d, values) for d in parts.deps]
             follow_key: tuple[Any, ...] = (id(parts.inner), *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
         else:  # one function: its own arguments are all there is to follow
-            follow_key = (id(node.func), *(_freeze(_resolve(a, inputs)) for a in node.args),
-                          *((k, _freeze(_resolve(v, inputs))) for k, v in node.kwargs.items()))
+            follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
+            if node.kwargs:
+                follow_key += tuple([(k, _freeze(_resolve(v, values)))
+                                     for k, v in node.kwargs.items()])
             layer = key_name(key)
         result = self._results.get((follow_key, layer))
         if result is not None:
             return result
+        inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
         followed = self._followed.get(follow_key)
         if followed is None:
             steps: list[Step] = []
@@ -264,8 +269,9 @@ class TaskDescriber:
 @dataclass
 class GraphDescription:
     """What :func:`describe_graph` found: every key in dependency order, each alias's final
-    target, the output spec and estimate of every task eugo can reason about, and the
-    distinct keys each of those tasks reads (aliases resolved)."""
+    target, the output spec and estimate of every task eugo can reason about (``estimates``
+    in dependency order too), and the distinct keys each of those tasks reads (aliases
+    resolved)."""
 
     order: list[Key]
     targets: dict[Key, Key]
@@ -290,27 +296,33 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
     reads: dict[Key, frozenset[Key]] = {}
+    # Once per task of graphs a million tasks large: chunk tasks (the common case) first, and
+    # an alias's own entry in ``values`` holds its target's, so a task's inputs are read from
+    # ``values`` by the keys the task names, aliases or not.
+    ours: dict[int, bool] = {}  # id(func) -> whether eugo put it there (the graph keeps it alive)
     for k in order:
         node = dsk[k]
-        if isinstance(node, DataNode):
+        if type(node) is Task:
+            written = ours.get(id(node.func))
+            if written is None:
+                written = ours[id(node.func)] = not is_fused(node) and is_eugo_callable(node.func)
+            if written:
+                specs[k] = None
+                values[k] = UNKNOWN_ARRAY
+                continue
+            deps = node.dependencies
+            if targets and not targets.keys().isdisjoint(deps):
+                reads[k] = frozenset([resolve(d, d) for d in deps])
+            else:
+                reads[k] = deps
+            estimates[k], specs[k], handed_on = describer.describe(k, node, deps, values)
+            values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
+        elif isinstance(node, DataNode):
             value = values[k] = _literal(node.value)  # a chunk, or an array-like to read from
             specs[k] = value if isinstance(value, ArraySpec) else None
-            continue
-        if isinstance(node, Alias):
+        elif isinstance(node, Alias):
             specs[k] = specs.get(resolve(k, k))
             values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
-            continue
-        if type(node) is Task and not is_eugo_callable(node.func):
-            deps = node.dependencies
-            if targets:
-                resolved = [resolve(d, d) for d in deps]
-                inputs = {d: values.get(r, UNKNOWN_ARRAY) for d, r in zip(deps, resolved)}
-                reads[k] = frozenset(resolved)
-            else:
-                inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
-                reads[k] = deps
-            estimates[k], specs[k], handed_on = describer.describe(k, node, inputs)
-            values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
         else:
             specs[k] = None
             values[k] = UNKNOWN_ARRAY

@@ -170,6 +170,33 @@ class Fused(NamedTuple):
         return {p: (d.key if type(d) is TaskRef else d) for p, d in zip(self.inkeys, self.deps)}
 
 
+#: The attributes a Task holds (Dask 2026.8); where they match, :func:`new_task` fills them in
+#: itself rather than have ``Task.__init__`` work the dependencies out again.
+_TASK_SLOTS = ("key", "_dependencies", "func", "args", "kwargs", "_data_producer", "_token",
+               "_is_coro", "_repr")
+_TASK_SLOTS_MATCH = sorted(_TASK_SLOTS) == sorted(
+    slot for cls in Task.__mro__ for slot in getattr(cls, "__slots__", ()))
+
+
+def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             dependencies: frozenset[Key], data_producer: bool = False) -> Task:
+    """``Task(key, func, *args, _data_producer=data_producer, **kwargs)`` whose
+    ``dependencies`` (the keys its arguments reference) the caller already knows: made for
+    every rewritten task of graphs a million tasks large, where ``Task.__init__``'s walk over
+    the arguments is a good part of the cost."""
+    if not _TASK_SLOTS_MATCH:  # another Dask: its own constructor
+        return Task(key, func, *args, _data_producer=data_producer, **kwargs)
+    task = _new_object(Task)
+    task.key, task._dependencies, task.func = key, dependencies or _NO_DEPENDENCIES, func
+    task.args, task.kwargs, task._data_producer = args, kwargs, data_producer
+    task._token = task._is_coro = task._repr = None
+    return task
+
+
+_new_object = object.__new__
+_NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
+
+
 def is_fused(node: GraphNode) -> bool:
     return type(node) is Task and node.func is _execute_subgraph
 
@@ -180,7 +207,11 @@ def fused(node: GraphNode) -> Fused | None:
     if type(node) is not Task or node.func is not _execute_subgraph:
         return None
     args = node.args
-    return Fused(args[0], args[1], args[2], args[3:])
+    # tuple.__new__ directly: a NamedTuple's own __new__ is a Python function
+    return _new_tuple(Fused, (args[0], args[1], args[2], args[3:]))
+
+
+_new_tuple = tuple.__new__
 
 
 def fused_output(node: GraphNode) -> GraphNode | None:
@@ -253,27 +284,31 @@ def alias_targets(dsk: Graph) -> dict[Key, Key]:
 
 
 def toposort(dsk: Graph) -> list[Key]:
-    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm)."""
-    waiting: dict[Key, int] = {}
-    dependents: dict[Key, list[Key]] = defaultdict(list)
-    ready = []
+    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm, last ready first)."""
+    # Once per key of graphs a million keys large, where a lookup in a dict that size is what
+    # costs: each key has a cell [dependencies not yet ordered, key] and the keys it depends on
+    # list the cells themselves, so ordering a key updates its dependents without a lookup per
+    # edge.
+    cells = []
+    dependents: defaultdict[Key, list[list[Any]]] = defaultdict(list)
     for k, node in dsk.items():
-        n = 0
-        for d in node.dependencies:
-            if d in dsk:
-                dependents[d].append(k)
-                n += 1
-        waiting[k] = n
-        if not n:
-            ready.append(k)
+        deps = node.dependencies
+        cell = [len(deps), k]
+        cells.append(cell)
+        for d in deps:
+            dependents[d].append(cell)
+    for d in dependents.keys() - dsk.keys():  # from outside the graph: nothing to wait for
+        for cell in dependents[d]:
+            cell[0] -= 1
+    ready = [cell[1] for cell in cells if not cell[0]]
     order = []
     while ready:
         k = ready.pop()
         order.append(k)
-        for dep in dependents.get(k, ()):
-            waiting[dep] -= 1
-            if not waiting[dep]:
-                ready.append(dep)
+        for cell in dependents.get(k, ()):
+            cell[0] -= 1
+            if not cell[0]:
+                ready.append(cell[1])
     if len(order) != len(dsk):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
     return order

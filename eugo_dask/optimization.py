@@ -271,15 +271,16 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: 
     original = graph
     described = _split_and_describe(graph, keys, chunks, settings, profile)
     plan = described.place(settings)
+    gpu_keys = plan.gpu_keys  # (a pass over every decision: once)
     graph = described.graph
     recent_plans.append({"time": time.time(), "profile": plan.profile_name,
-                         "tasks": len(plan), "gpu_tasks": len(plan.gpu_keys),
+                         "tasks": len(plan), "gpu_tasks": len(gpu_keys),
                          **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
-    if not plan.gpu_keys:
+    if not gpu_keys:
         if settings.learn:
             _expect_timings(plan, settings, {})
         return dsk
-    logger.debug("eugo: %d of %d tasks on the GPU", len(plan.gpu_keys), len(plan))
+    logger.debug("eugo: %d of %d tasks on the GPU", len(gpu_keys), len(plan))
     submission = _submitted.get()
     how = Rewrite(settings.device, settings.resource, _token(settings, profile),
                   _user_annotations(dsk),

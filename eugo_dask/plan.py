@@ -60,8 +60,9 @@ class Decision:
                  "_d2h_in_s", "_min_speedup", "_memory_limit")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
-                 cpu_s: float, h2d_s: float, d2h_s: float, *, lanes: int, d2h_in_s: float,
+                 cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None) -> None:
+        # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
@@ -272,7 +273,7 @@ def place(
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
     estimates, specs, reads = description.estimates, description.specs, description.inputs
-    width = Counter(k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task)
+    width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
     threads = profile.cpu.threads
     lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
     host_regardless = _needs_host_regardless(dsk, description, outputs)
@@ -287,10 +288,9 @@ def place(
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
-    for k in description.order:
-        est = estimates.get(k)
-        if est is None:
-            continue
+    # ``estimates`` holds the described tasks in dependency order: iterating it skips the
+    # others without a lookup each
+    for k, est in estimates.items():
         inputs = reads[k]
         lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
@@ -309,25 +309,30 @@ def place(
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
         capable = est.gpu_capable
-        too_big = capable and device is not None and working_set_bytes(est) > device_memory_bytes
+        too_big = (capable and device is not None  # working_set_bytes(est), inline
+                   and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
         if capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
             placement: Placement = GPU
-            h2d_done.update(d for d in inputs if d not in on_gpu)
+            # the inputs not on the device are copied there; adding those already on it too
+            # changes nothing (a key on the device is never looked up in h2d_done) and is one
+            # C-level update
+            h2d_done.update(inputs)
             on_gpu.add(k)
             if d2h_out:
                 d2h_done.add(k)
             chosen = gpu_total
         else:
             placement = CPU
-            d2h_done.update(d for d in inputs if d in on_gpu)
+            # likewise: the inputs on the device are copied back, and a key on the host (placed
+            # already: inputs come first) is never looked up in d2h_done
+            d2h_done.update(inputs)
             chosen = cpu_total
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
         as_chosen += chosen
-        decisions[k] = Decision(
-            k, placement, est, specs.get(k), cpu_s, h2d, d2h_out, lanes=lanes, d2h_in_s=d2h_in,
-            min_speedup=min_speedup, memory_limit=device_memory_bytes if too_big else None,
-        )
+        decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,  # lanes,
+                                lanes, d2h_in, min_speedup,  # d2h_in_s, min_speedup, memory_limit
+                                device_memory_bytes if too_big else None)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
 
     return Plan(

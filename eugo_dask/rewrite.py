@@ -27,7 +27,7 @@ from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
-from eugo_dask.graph import Graph, Key, alias_targets, fused
+from eugo_dask.graph import Graph, Key, alias_targets, fused, new_task
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
@@ -100,6 +100,11 @@ class TaskRoles:
     ``finalize`` and I/O, which belong on CPU workers), and every annotation the user put on
     the original tasks (``carried``: type -> key -> value). Keys with nothing get None, which
     the scheduler ignores.
+
+    The scheduler keeps each task's annotations (half a million of them for a large graph):
+    tasks with the same role and estimates share one ``eugo`` dict, and device tasks without
+    resources of the user's own share one ``resources`` dict (neither Dask nor eugo's plugin
+    changes an annotation in place).
     """
 
     def __init__(self, roles: dict[Key, RoleEntry], resource: str,
@@ -107,17 +112,28 @@ class TaskRoles:
         self.roles = roles
         self.resource = resource
         self.carried = carried or {}
+        self._shared: dict[RoleEntry, dict[str, Any]] = {}
+        self._device_resources = {resource: 1}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TaskRoles, (self.roles, self.resource, self.carried))
 
     def value(self, kind: str, key: Key) -> Any:
         """The ``kind`` annotation of ``key``."""
         if kind == "eugo":
             role = self.roles.get(key)
-            return None if role is None else {"role": role[0], "cpu_s": role[1], "est_s": role[2]}
+            if role is None:
+                return None
+            shared = self._shared.get(role)
+            if shared is None:
+                shared = self._shared[role] = {"role": role[0], "cpu_s": role[1],
+                                               "est_s": role[2]}
+            return shared
         user = self.carried.get(kind, {}).get(key)
         if kind == "resources":
             role = self.roles.get(key)
             if role is not None and role[0] in DEVICE_ROLES:
-                return {**(user or {}), self.resource: 1}
+                return {**user, self.resource: 1} if user else self._device_resources
         return user
 
     def annotations(self) -> dict[str, Any]:
@@ -181,6 +197,29 @@ def is_inner_source(node: GraphNode) -> bool:
     return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
+def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
+    """``node.substitute(subs)`` for a node nested in a GPU task's arguments, ``subs`` mapping
+    every key the task reads to its device copy. The common shape (a tree reduction's
+    ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per chunk) is rebuilt here with its
+    dependencies known, as Dask's ``Task.substitute`` would rebuild it; anything else by that."""
+    if type(node) is not Task or not node.dependencies:
+        return node.substitute(subs)
+    args: list[Any] = []
+    for a in node.args:
+        if type(a) is Alias and a.key == a.target:  # a reference by alias: Alias(k) -> Alias(k')
+            args.append(Alias(subs[a.key], subs[a.key]))
+        elif type(a) is TaskRef:
+            args.append(TaskRef(subs[a.key]))
+        elif isinstance(a, GraphNode):
+            return node.substitute(subs)
+        else:
+            args.append(a)
+    if any(isinstance(v, (GraphNode, TaskRef)) for v in node.kwargs.values()):
+        return node.substitute(subs)
+    return new_task(node.key, node.func, tuple(args), dict(node.kwargs),
+                    frozenset([subs[d] for d in node.dependencies]), node.data_producer)
+
+
 def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
     if type(arg) is TaskRef:
         return TaskRef(subs[arg.key]) if arg.key in subs else arg
@@ -203,10 +242,20 @@ class Rewrite(NamedTuple):
 
 
 class Rewritten(NamedTuple):
-    """The rewritten graph, and for each planned task the key it runs under."""
+    """The rewritten graph, and what :attr:`executed` is worked out from (only learning needs
+    it)."""
 
     graph: HighLevelGraph
-    executed: dict[Key, Key]
+    plan: Plan
+    on_device: dict[Key, TaskRef]  # a GPU task's key -> its device task
+    renames: dict[Key, Key]
+
+    @property
+    def executed(self) -> dict[Key, Key]:
+        """For each planned task, the key it runs under."""
+        on_device, renames = self.on_device, self.renames
+        return {k: on_device[k].key if d.device == GPU else renames.get(k, k)
+                for k, d in self.plan.decisions.items()}
 
 
 def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, outputs: set[Key],
@@ -217,57 +266,75 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     one of the ``outputs``, so a key keeps one meaning whoever computes it."""
     device, token = how.device, how.token
     out = dict(dsk)
-    gpu = set(plan.gpu_keys)
+    gpu: set[Key] = set()  # the GPU tasks (filled in as the loop below meets them)
     host_needed = plan.host_needed
     targets = alias_targets(dsk)
     roles: dict[Key, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
-    on_device: dict[Key, Key] = {}  # a GPU task's key, or a host result's -> its device copy
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
-    calls: dict[tuple[int, str], tuple[Any, DeviceCall]] = {}  # one per function and layer
+    # one DeviceCall per function and layer, and the layer's device name: by function and
+    # layer, and the last one by layer (a layer has one function: one lookup by its name)
+    calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
+    layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
 
-    def device_input(dep: Key) -> Key:
-        source: Key = targets.get(dep, dep)
-        known = on_device.get(source)
-        if known is not None:
-            return known
-        if source in gpu:  # (the plan is in dependency order: never, in practice)
-            return prefixed_key(source, GPU_PREFIX, token)
-        on_device[source] = key = prefixed_key(source, H2D_PREFIX, token)
-        out[key] = Task(key, to_device, TaskRef(source), device)
-        roles[key] = (TODEVICE_ROLE, None, None)
-        origin[key] = source
-        return key
+    class OnDevice(dict[Key, TaskRef]):
+        """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to
+        its device copy; a host result's copy task is written the first time it is asked for.
+        One reference per copy, shared by its consumers."""
 
-    # the loop runs once per task of graphs a million tasks large: what one task of a layer
-    # works out (its DeviceCall, its fused inner graph on the device), every task shares
-    for decision in plan:
-        key = decision.key
+        def __missing__(self, dep: Key) -> TaskRef:
+            source: Key = targets.get(dep, dep)
+            ref = self.get(source)
+            if ref is None:
+                placed = plan.decisions.get(source)
+                if placed is not None and placed.device == GPU:
+                    # (the plan is in dependency order: never, in practice)
+                    ref = TaskRef(prefixed_key(source, GPU_PREFIX, token))
+                else:
+                    key = prefixed_key(source, H2D_PREFIX, token)
+                    out[key] = Task(key, to_device, TaskRef(source), device)
+                    roles[key] = (TODEVICE_ROLE, None, None)
+                    origin[key] = source
+                    ref = self[source] = TaskRef(key)
+            self[dep] = ref
+            return ref
+
+    on_device = OnDevice()
+    # The loop runs once per task of graphs a million tasks large: what one task of a layer
+    # works out (its DeviceCall, its device name, its fused inner graph on the device), every
+    # task shares; the device task is made with the dependencies already known (new_task).
+    for key, decision in plan.decisions.items():
         if decision.device != GPU:
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
+        gpu.add(key)
         node = dsk[key]
         assert type(node) is Task, node
-        subs = {d: device_input(d) for d in node.dependencies}
-        args = tuple([TaskRef(subs[a.key]) if type(a) is TaskRef
-                      else a.substitute(subs) if isinstance(a, GraphNode) else a
-                      for a in node.args])
+        subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
+        args = [on_device[a.key] if type(a) is TaskRef
+                else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
+                for a in node.args]
         kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
         parts = fused(node)
         if parts is not None:
             inner = parts.inner  # shared by every chunk of a blockwise layer: rewrite it once
             if id(inner) not in inner_on_device:
                 inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
-            args = (inner_on_device[id(inner)], *args[1:])
+            args[0] = inner_on_device[id(inner)]
+        func = node.func
         name = key[0] if type(key) is tuple else key
-        call = calls.get((id(node.func), name))
-        if call is None:
-            call = calls[(id(node.func), name)] = (
-                node.func, DeviceCall(node.func, device, key_split(key)))
-        device_key = on_device[key] = prefixed_key(key, GPU_PREFIX, token)
-        out[device_key] = Task(device_key, call[1], *args, _data_producer=node.data_producer,
-                               **kwargs)
+        call = layer_calls.get(name)
+        if call is None or call[0].func is not func:
+            call = calls.get((id(func), name))
+            if call is None:
+                call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
+                                                  prefixed_key(name, GPU_PREFIX, token))
+            layer_calls[name] = call
+        device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
+        out[device_key] = new_task(device_key, call[0], tuple(args), kwargs,
+                                   frozenset(subs.values()), node.data_producer)
+        on_device[key] = TaskRef(device_key)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         origin[device_key] = key
         if key in host_needed:
@@ -287,15 +354,16 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
 
     renames = _renames(out, order, original, outputs, set(origin), token)
     graph = _renamed_graph(out, renames)
-    roles = {renames.get(k, k): r for k, r in roles.items()}
+    if renames:
+        roles = {renames.get(k, k): r for k, r in roles.items()}
     carried = _carried(how.carried, renames, origin) if how.carried else {}
-    executed = {k: on_device[k] if k in gpu else renames.get(k, k) for k in plan.decisions}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
         for key, entry in roles.items():
             if entry[0] in DEVICE_ROLES:
                 user[key] = {**how.resources, **(user.get(key) or {})}
-    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), executed)
+    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), plan,
+                     on_device, renames)
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
@@ -319,17 +387,20 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
 def _renamed_graph(out: Graph, renames: dict[Key, Key]) -> dict[Key, GraphNode]:
     if not renames:
         return dict(out)
-    graph: dict[Key, GraphNode] = {}
-    for key, node in out.items():
-        new_key = renames[key] if key in renames else key
-        if isinstance(node, Alias):  # (Alias.substitute keeps its key when nothing else changes)
-            target: Key = node.target
-            if new_key != key or target in renames:
-                node = Alias(new_key, renames.get(target, target))
-        elif new_key != key or not renames.keys().isdisjoint(node.dependencies):
-            node = node.substitute(renames, key=new_key)
-        graph[new_key] = node
-    return graph
+    # Few nodes change (the renamed ones and their readers) but every one is visited: one
+    # C-level test each to find those, then the new dict in one comprehension, in order.
+    renamed = renames.keys()
+    changed = {key: _renamed_node(key, node, renames) for key, node in out.items()
+               if key in renames or not renamed.isdisjoint(node.dependencies)}
+    return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
+
+
+def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNode:
+    new_key: Key = renames.get(key, key)
+    if isinstance(node, Alias):  # (Alias.substitute keeps its key when nothing else changes)
+        target: Key = node.target
+        return Alias(new_key, renames.get(target, target))
+    return node.substitute(renames, key=new_key)
 
 
 def _carried(user: dict[str, dict[Key, Any]], renames: dict[Key, Key],

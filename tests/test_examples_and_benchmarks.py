@@ -129,8 +129,15 @@ def test_quickstart_prints_the_readme_sample(tmp_path):
 
 
 def check_pass_overhead(out: str) -> None:
-    rows = [line.split() for line in out.splitlines() if line.split()[0].isdigit()]
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0].isdigit()]
     assert len(rows) == 2 and all(float(r[3]) > 0 for r in rows)
+    # the scheduler submission: a row per mode, the graph taken (tasks held), ratios to plain
+    submitted = {line.split()[0]: line.split() for line in out.splitlines()
+                 if line.startswith(("plain ", "plan ", "rewrite "))}
+    assert set(submitted) == {"plain", "plan", "rewrite"}
+    assert all(int(r[1]) > 0 for r in submitted.values())
+    assert int(submitted["rewrite"][1]) > int(submitted["plain"][1])  # copy tasks added
+    assert submitted["plain"][7] in ("1.00", "-")
 
 
 def check_enabled_overhead(out: str) -> None:

@@ -97,6 +97,27 @@ def test_gpu_tasks_carry_resource_and_role_annotations(emulated):
     assert pickle.loads(pickle.dumps(roles))(by_role["gpu"][0]) == gpu_role
 
 
+def test_rewritten_tasks_are_what_dasks_constructor_makes(emulated):
+    # the rewrite makes its device tasks with their dependencies already worked out
+    # (graph.new_task): each must equal Task(...) built from the same parts
+    from dask._task_spec import Task
+
+    a = da.from_array(A, chunks=100)
+    x = (da.exp(a) @ a.T + da.ones((300, 300), chunks=100)).sum(axis=0) + a.sum()
+    graph = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+    device_tasks = [v for k, v in graph.items() if key_split(k).startswith("eugo-gpu")]
+    assert len(device_tasks) > 10
+    for task in device_tasks:
+        rebuilt = Task(task.key, task.func, *task.args, _data_producer=task.data_producer,
+                       **task.kwargs)
+        assert task.dependencies == rebuilt.dependencies, task.key
+        assert task.dependencies <= graph.keys()
+        assert task.data_producer is rebuilt.data_producer
+    result = x.compute(scheduler="sync")
+    with dask.config.set(optimizations=[]):
+        assert_eq(result, x.compute(scheduler="sync"))
+
+
 def test_idempotent_through_dask_optimize(emulated):
     x = (da.from_array(A, chunks=100) * 2 + 1).sum(axis=0)
     with dask.config.set(optimizations=[]):
