@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import urllib.request
 import warnings
+from pathlib import Path
 
 import dask
 import dask.array as da
@@ -211,8 +212,12 @@ class _Lazy:
         return np.full(shape, 0.5, dtype="f4")
 
 
+SLOW_DEVICE = str(Path(__file__).with_name("slow_device.py"))
+
+
 def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
-    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    # the GPU worker's device takes 20 ms a task: slower than the reads, however busy the machine
+    workers = {"gpu": {"gpu": True, "extra": ["--preload", SLOW_DEVICE]}, "cpu": {}}
     x = da.from_array(_Lazy((6000, 6000)), chunks=300)  # 400 reads
     y = np.exp(np.sin(x)).sum()
     with process_cluster(tmp_path, workers=workers) as (cluster, client):
@@ -231,9 +236,9 @@ def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
                    for _, root, restricted, resources, producer in reads())
         assert float(future.result(timeout=120)) == pytest.approx(
             6000 * 6000 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
-        # Queued reads still run ahead of a device that consumes their blocks more slowly (the
-        # emulated one: NumPy on one thread), since the consumers run on another worker; the
-        # plugin says so, once for the graph (dask/distributed#9164)
+        # Queued reads still run ahead of a device that consumes their blocks more slowly, since
+        # the consumers run on another worker; the plugin says so, once for the graph
+        # (dask/distributed#9164)
         warnings = client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
         ahead = [w for w in warnings if "run ahead of its device" in w]
