@@ -141,17 +141,41 @@ def emulated_memory_limit() -> int:
 
 
 def worker_setting_problems() -> list[str]:
-    """What is wrong with this process's own settings as a worker reads them at start
-    (``eugo.device``, ``eugo.emulated.*``, the device settings, ``eugo.resource``): one message per
-    key, naming it and what is allowed; empty where all is well."""
+    """What is wrong with this process's own settings as a worker reads them at start (those of
+    :func:`device_setting_problems`, and ``eugo.resource``): one message per key, naming it and
+    what is allowed; empty where all is well."""
+    problems = list(device_setting_problems())
+    try:
+        read_resource()
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def device_setting_problems() -> tuple[str, ...]:
+    """What is wrong with the settings this process's device path reads (``eugo.device``,
+    ``eugo.emulated.*``, the device settings): one message per key; empty where all is well. A
+    worker with any of them invalid uses no device. GPU tasks ask this, so the answer is worked
+    out once per distinct set of values."""
+    raw = tuple(map(_setting, _DEVICE_PATH_KEYS))
+    try:
+        hash(raw)
+    except TypeError:  # a list or a mapping where a value belongs: invalid, and not cacheable
+        return _device_setting_problems()
+    return _cached_device_setting_problems(raw)
+
+
+def _device_setting_problems(raw: Any = None) -> tuple[str, ...]:
     problems = []
-    for reader in (process_device, emulated_memory_limit, emulated_device_count, device_settings,
-                   read_resource):
+    for reader in (process_device, emulated_memory_limit, emulated_device_count, device_settings):
         try:
             reader()
         except ValueError as e:
             problems.append(str(e))
-    return problems
+    return tuple(problems)
+
+
+_cached_device_setting_problems = functools.lru_cache(maxsize=64)(_device_setting_problems)
 
 
 def emulated_device_count() -> int:
@@ -167,7 +191,7 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
         return None
     try:
         size = parse_bytes(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):  # AttributeError: a list, a mapping
         size = -1
     if isinstance(value, bool) or size < 0:
         allowed = "a byte count or size like '1 GiB'" + (", or null" if allow_none else "")
@@ -178,6 +202,9 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
 #: The device settings' keys, in :class:`~eugo_dask.devices.DeviceSettings` order.
 _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
                 "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer")
+#: Every key the device path reads (:func:`device_setting_problems` depends on these only).
+_DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated.devices",
+                     *_DEVICE_KEYS)
 
 
 def device_settings() -> DeviceSettings:
@@ -202,7 +229,7 @@ def _device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     plan_bytes = _size("eugo.fft-plan-cache-memory", plan_memory, allow_none=True)
     try:
         idle_s = None if idle is None else parse_timedelta(idle, default="seconds")
-    except (TypeError, ValueError, KeyError):
+    except (TypeError, ValueError, KeyError, AttributeError):
         idle_s = -1
     if isinstance(idle, bool) or (idle_s is not None and idle_s <= 0):
         raise ValueError(f"eugo.device-idle-release must be a duration like '60s' (> 0) or null; "

@@ -257,6 +257,21 @@ def task_spec_dict(dsk: Any) -> dict[Key, GraphNode]:
     return convert_legacy_graph(graph)
 
 
+def optimize_without_linear_fusion(dsk: Any, keys: Any) -> Any:
+    """Dask's array optimization up to its linear fusion (``dask.array.optimization.optimize``
+    with ``optimization.fuse.active: False``, without setting that for the whole process):
+    blockwise fusion, root fusion and culling."""
+    from dask.blockwise import fuse_roots, optimize_blockwise
+    from dask.highlevelgraph import HighLevelGraph
+
+    keys = list(flatten_keys(keys))
+    if not isinstance(dsk, HighLevelGraph):
+        dsk = HighLevelGraph.from_collections(str(id(dsk)), dsk, dependencies=())
+    dsk = optimize_blockwise(dsk, keys=keys)
+    dsk = fuse_roots(dsk, keys=keys)
+    return dsk.cull(set(keys))
+
+
 def materialized_keys(dsk: Any) -> Iterator[Key]:
     """Keys of ``dsk``'s layers that are materialized already (all of a plain dict's), without
     materializing the others (a collection's new Blockwise layers)."""

@@ -36,7 +36,14 @@ from dask.base import is_dask_collection, tokenize
 from eugo_dask._version import __version__
 from eugo_dask.config import Settings, cluster_profile, history_path, read_settings, resolve_profile
 from eugo_dask.describe import GraphDescription, describe_graph
-from eugo_dask.graph import ChunkInfo, Key, flatten_keys, materialized_keys, task_spec_dict
+from eugo_dask.graph import (
+    ChunkInfo,
+    Key,
+    flatten_keys,
+    materialized_keys,
+    optimize_without_linear_fusion,
+    task_spec_dict,
+)
 from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import Plan, place
 from eugo_dask.profile import Profile, load_profile
@@ -309,8 +316,7 @@ def run_optimizations(
         # optimized with eugo before (dask.optimize, then compute): Dask's linear fusion would
         # glue eugo's copies to the reads and host tasks beside them; blockwise fusion of the
         # layers added since and culling still run
-        with dask.config.set({"optimization.fuse.active": False}):
-            dsk = dask_array_optimize(dsk, keys, **kwargs)
+        dsk = optimize_without_linear_fusion(dsk, keys)
     else:
         dsk = dask_array_optimize(dsk, keys, **kwargs)
     token = _submitted.set(submission)
@@ -468,7 +474,7 @@ def explain(collection: Any, **settings: Any) -> Plan:
     """
     if not (is_dask_collection(collection) and hasattr(collection, "__dask_keys__")):
         raise TypeError("explain() takes a Dask collection with an array graph (a dask.array "
-                        f"Array, or a collection of them); got {type(collection).__name__}")
+                        f"Array); got {type(collection).__name__}")
     overrides = {f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}
     with dask.config.set(overrides):
         current = read_settings()

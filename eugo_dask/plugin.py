@@ -79,7 +79,7 @@ BACKLOG_MIN = 64
 #: Fallback reasons workers report start with one of these (runtime.DeviceCall's words), a
 #: device error with its kind: "device error (out-of-memory): EmulatedOutOfMemoryError".
 _REASON = re.compile(r"^(device error|unsupported on device|no device|host-only chunk|"
-                     r"device error on receive)( \([a-z-]+\))?(: .*)?$")
+                     r"device error on receive)( \([a-z-]+\))?(: .*)?$", re.S)
 
 
 @dataclass
@@ -130,6 +130,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.errors = 0
         self.warnings: deque[str] = deque(maxlen=MAX_WARNINGS)
         self._backlog_warned: set[str] = set()  # GPU workers warned of read-ahead this graph
+        self._backlog_checked: set[tuple[str, str]] = set()  # (worker, task group) looked at
         self.prefixes: dict[str, PrefixStats] = {}
         #: distinct fallback reasons -> the task prefixes that reported them (each worker
         #: reports a reason once per prefix; the counts are the workers' metrics, by category)
@@ -182,6 +183,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if not roles:
             return
         self._backlog_warned.clear()  # a new graph: warn again where it piles up
+        self._backlog_checked.clear()
         cpu_workers = self._cpu_workers(scheduler)
         gpu_present = bool(self._gpu_workers(scheduler))
         rerouted = 0
@@ -290,16 +292,21 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ws = ts.processing_on if ts is not None else None
         if ts is None or ws is None or ws.address in self._backlog_warned:
             return
-        waiting = len(ws.processing)
-        if waiting < max(BACKLOG_MIN, BACKLOG_PER_THREAD * ws.nthreads):
+        assigned = len(ws.processing)
+        if assigned < max(BACKLOG_MIN, BACKLOG_PER_THREAD * ws.nthreads):
             return
+        checked = (ws.address, ts.group.name)  # a group's tasks share their inputs' kind
+        if checked in self._backlog_checked:
+            return
+        self._backlog_checked.add(checked)
         if not any(_is_root(dts) or any(map(_is_root, dts.dependencies))
                    for dts in ts.dependencies):
             return
         self._backlog_warned.add(ws.address)
-        self._warn(f"eugo: {waiting} tasks wait on GPU worker {ws.name}, fed by queued reads that "
-                   "run ahead of its device; their blocks wait in memory (dask/distributed#9164). "
-                   "Worker memory limits bound it: distributed spills and pauses.")
+        self._warn(f"eugo: {assigned} tasks are assigned to GPU worker {ws.name}, fed by queued "
+                   "reads that run ahead of its device; their blocks wait in memory "
+                   "(dask/distributed#9164). Worker memory limits bound it: distributed spills "
+                   "and pauses.")
 
     def _prefix(self, name: str) -> PrefixStats:
         stats = self.prefixes.get(name)
@@ -348,8 +355,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         """Workers' (and the pass's) reports, accepted only in their known shapes."""
         if not isinstance(msg, dict):
             return
-        text = {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
-                and len(v) <= MAX_TEXT}
+        # long texts are cut, not dropped (a reason may carry an exception's whole message)
+        text = {k: v[:MAX_TEXT] for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)}
         if "fallback" in text and _REASON.match(text["fallback"]):
             reason = text["fallback"]
             if reason in self.fallback_reasons or len(self.fallback_reasons) < MAX_REASONS:
@@ -364,7 +371,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                            f"({text['no-device']}): its GPU tasks run their CPU path")
         elif "invalid-setting" in text and "worker" in text:
             if self.scheduler is not None and text["worker"] in self.scheduler.workers:
-                self.invalid_settings[text["worker"]] = text["invalid-setting"]
+                # the first, as the worker's own "no device" reason names the first
+                self.invalid_settings.setdefault(text["worker"], text["invalid-setting"])
                 self._warn(f"eugo: worker {text['worker']}: {text['invalid-setting']}")
         elif "warning" in text:
             self._warn(text["warning"])

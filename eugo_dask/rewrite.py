@@ -208,7 +208,7 @@ def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
     for a in node.args:
         if type(a) is Alias and a.key == a.target:  # a reference by alias: Alias(k) -> Alias(k')
             args.append(Alias(subs[a.key], subs[a.key]))
-        elif type(a) is TaskRef:
+        elif isinstance(a, TaskRef):  # a distributed Future is one too
             args.append(TaskRef(subs[a.key]))
         elif isinstance(a, GraphNode):
             return node.substitute(subs)
@@ -221,7 +221,7 @@ def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
 
 
 def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
-    if type(arg) is TaskRef:
+    if isinstance(arg, TaskRef):  # a distributed Future is one too
         return TaskRef(subs[arg.key]) if arg.key in subs else arg
     if isinstance(arg, GraphNode):
         return arg.substitute(subs)
@@ -312,7 +312,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         node = dsk[key]
         assert type(node) is Task, node
         subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
-        args = [on_device[a.key] if type(a) is TaskRef
+        args = [on_device[a.key] if isinstance(a, TaskRef)  # a distributed Future is one too
                 else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
                 for a in node.args]
         kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}

@@ -38,11 +38,11 @@ from dask._task_spec import DataNode, Task
 from dask.utils import funcname
 
 from eugo_dask.config import (
+    device_setting_problems,
     device_settings,
     emulated_device_count,
     emulated_memory_limit,
     process_device,
-    worker_setting_problems,
 )
 from eugo_dask.devices import (
     CupyDevice,
@@ -158,7 +158,7 @@ def _setting_problem() -> str | None:
     """The first problem with this process's own settings that the device path reads
     (``eugo.device``, ``eugo.emulated.*``, the device settings), or None. A worker with an invalid
     setting uses no device: its GPU tasks run their CPU path."""
-    problems = worker_setting_problems()
+    problems = device_setting_problems()
     return problems[0] if problems else None
 
 

@@ -29,7 +29,12 @@ from typing import Any
 from distributed.diagnostics.plugin import WorkerPlugin
 from tornado.ioloop import PeriodicCallback
 
-from eugo_dask.config import device_settings, process_device, worker_setting_problems
+from eugo_dask.config import (
+    device_setting_problems,
+    device_settings,
+    process_device,
+    worker_setting_problems,
+)
 from eugo_dask.runtime import (
     EVENT_TOPIC,
     install_receive_fallback,
@@ -43,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def device_capability() -> tuple[str | None, str | None]:
     """(the device GPU tasks can use in this process, or None; why not, or None)."""
-    problems = worker_setting_problems()
+    problems = device_setting_problems()
     if problems:
         return None, f"invalid setting: {problems[0]}"
     setting = process_device()
@@ -72,8 +77,10 @@ class EugoWorkerPlugin(WorkerPlugin):
         self.resource = resource
 
     def setup(self, worker: Any) -> None:
+        device_problems = device_setting_problems()
         for problem in worker_setting_problems():
-            logger.error("eugo: %s; this worker uses no device", problem)
+            logger.error("eugo: %s%s", problem,
+                         "; this worker uses no device" if problem in device_problems else "")
             worker.log_event(EVENT_TOPIC, {"invalid-setting": problem, "worker": worker.address})
         install_receive_fallback()
         self._drive_idle_release(worker)

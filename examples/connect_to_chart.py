@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import time
 
 import dask
@@ -36,7 +37,8 @@ def local_stand_in():
 def reported_summary(client: Client, timeout: float = 10.0) -> dict:
     """The plugin's summary once the workers' reports (sent with their heartbeats, a second or
     so after the tasks end) account for the GPU tasks the workers say they ran."""
-    per_process = client.run(lambda: (os.getpid(), eugo_dask.device_stats()["tasks"]))
+    per_process = client.run(
+        lambda: ((socket.gethostname(), os.getpid()), eugo_dask.device_stats()["tasks"]))
     ran = sum(dict(per_process.values()).values())  # workers sharing a process share its counts
     deadline = time.monotonic() + timeout
     while True:

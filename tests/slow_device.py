@@ -1,4 +1,4 @@
-"""Worker preload for tests: this worker's emulated device takes 20 ms per GPU task, a device
+"""Worker preload for tests: this worker's emulated device takes 50 ms per GPU task, a device
 slower than the reads that feed it, whatever else the machine is doing."""
 
 import contextlib
@@ -6,7 +6,7 @@ import time
 
 import eugo_dask.emulated
 
-SECONDS = 0.02
+SECONDS = 0.05
 
 
 def dask_setup(worker):

@@ -216,7 +216,7 @@ SLOW_DEVICE = str(Path(__file__).with_name("slow_device.py"))
 
 
 def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
-    # the GPU worker's device takes 20 ms a task: slower than the reads, however busy the machine
+    # the GPU worker's device takes 50 ms a task: slower than the reads, however busy the machine
     workers = {"gpu": {"gpu": True, "extra": ["--preload", SLOW_DEVICE]}, "cpu": {}}
     x = da.from_array(_Lazy((6000, 6000)), chunks=300)  # 400 reads
     y = np.exp(np.sin(x)).sum()
@@ -242,7 +242,7 @@ def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
         warnings = client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
         ahead = [w for w in warnings if "run ahead of its device" in w]
-        assert len(ahead) == 1 and "tasks wait on GPU worker gpu" in ahead[0], warnings
+        assert len(ahead) == 1 and "tasks are assigned to GPU worker gpu" in ahead[0], warnings
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,13 +135,23 @@ def test_idempotent_through_dask_optimize(emulated):
     assert not any(p.startswith("eugo-gpu-eugo") for p in gpu_prefixes)
 
 
-def test_optimizing_an_optimized_collection_changes_nothing(emulated):
+def test_optimizing_an_optimized_collection_changes_nothing(emulated, monkeypatch):
     """dask.optimize twice (or optimize, then compute): Dask's linear fusion must not glue
     eugo's copies to the reads and host tasks beside them the second time."""
     a = da.from_array(A, chunks=100)
     x = (np.exp(a) @ a.T).sum(axis=0)
     (once,) = dask.optimize(x)
-    (twice,) = dask.optimize(once)
+    set_config = dask.config.set
+    settings_made = []
+
+    def recording_set(*args, **kwargs):
+        settings_made.append((args, kwargs))
+        return set_config(*args, **kwargs)
+
+    monkeypatch.setattr(dask.config, "set", recording_set)  # no process-wide switch that
+    (twice,) = dask.optimize(once)                            # other threads would see
+    monkeypatch.undo()
+    assert not [s for s in settings_made if "optimization.fuse.active" in repr(s)]
     graph = dict(once.__dask_graph__())
     assert dict(twice.__dask_graph__()).keys() == graph.keys()
     assert any(key_split(k).startswith("eugo-todevice") for k in graph)

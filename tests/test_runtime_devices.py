@@ -104,3 +104,24 @@ def test_workers_keep_device_bytes_out_of_host_memory():
         assert getattr(worker.data, "_eugo_device_accounting", False)
 
     run()
+
+
+@pytest.mark.parametrize("key, value", [
+    ("eugo.staging-buffer", [8]),
+    ("eugo.device-idle-release", {"a": 1}),
+    ("eugo.fft-plan-cache-memory", [1]),
+    ("eugo.staging-buffer", 100),
+])
+def test_a_malformed_device_setting_means_no_device_never_a_failed_task(key, value):
+    """A value of the wrong kind (a mis-indented YAML list, a mapping) is an invalid setting like
+    any other: this process uses no device, and a GPU task runs its CPU path."""
+    from eugo_dask.config import device_setting_problems
+    from eugo_dask.runtime import usable_device, why_no_device
+
+    with dask.config.set({"eugo.device": "emulated", key: value}):
+        (problem,) = device_setting_problems()
+        assert problem.startswith(f"{key} must be")
+        assert usable_device("emulated") is None
+        assert why_no_device("emulated") == f"invalid setting: {problem}"
+        out = DeviceCall(np.add, "emulated", "add")(np.ones(2), 1)
+        assert type(out) is np.ndarray and out.tolist() == [2.0, 2.0]
