@@ -53,6 +53,7 @@ from eugo_dask.rewrite import CPU_ROLE, DEVICE_ROLES, GPU_ROLE, HOST_ROLE
 from eugo_dask.runtime import (
     EVENT_TOPIC,
     FALLBACK_CATEGORIES,
+    MAX_EVENT_TEXT,
     RAN_ON_CPU,
     RAN_ON_DEVICE,
     cpu_path_task,
@@ -70,7 +71,7 @@ _PENDING = frozenset({"released", "waiting", "no-worker", "queued"})
 MAX_PREFIXES = 2_000
 MAX_REASONS = 100
 MAX_WARNINGS = 100
-MAX_TEXT = 300
+MAX_TEXT = MAX_EVENT_TEXT
 #: GPU tasks waiting on a GPU worker, fed by queued reads, past which the plugin warns that reads
 #: run ahead of the device: per worker thread (plain Dask holds about one root task per thread),
 #: and at least (a small computation's handful of blocks is no concern).
@@ -355,8 +356,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         """Workers' (and the pass's) reports, accepted only in their known shapes."""
         if not isinstance(msg, dict):
             return
-        # long texts are cut, not dropped (a reason may carry an exception's whole message)
-        text = {k: v[:MAX_TEXT] for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)}
+        # longer texts than eugo's own senders make (they cut theirs) are not eugo's: dropped
+        text = {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
+                and len(v) <= MAX_TEXT}
         if "fallback" in text and _REASON.match(text["fallback"]):
             reason = text["fallback"]
             if reason in self.fallback_reasons or len(self.fallback_reasons) < MAX_REASONS:

@@ -67,6 +67,9 @@ _logged_prefixes: set[str] = set()
 
 #: Topic of the events GPU tasks send to the scheduler (fallbacks), read by the plugin.
 EVENT_TOPIC = "eugo"
+#: The longest text an event carries: the plugin drops longer ones (its input is untrusted), so
+#: what eugo sends is cut to this first.
+MAX_EVENT_TEXT = 300
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +259,8 @@ def _report_fallback(prefix: str, category: FallbackCategory, reason: str) -> No
     if worker is None:
         return
     _reported.add((prefix, reason))
-    worker.log_event(EVENT_TOPIC, {"fallback": reason, "prefix": prefix})
+    worker.log_event(EVENT_TOPIC, {"fallback": reason[:MAX_EVENT_TEXT],
+                                   "prefix": prefix[:MAX_EVENT_TEXT]})
 
 
 def _cpu_path_active() -> bool:
@@ -412,9 +416,12 @@ def install_receive_fallback() -> bool:
     try:
         cupy = import_cupy()  # no GPU needed to import it
         from distributed.protocol.serialize import dask_deserialize
-    except ImportError:
+
+        # distributed registers its CuPy serializers on first use; they need rmm or numba
+        original = dask_deserialize.dispatch(cupy.ndarray)
+    except ImportError as e:
+        logger.debug("eugo: no receive fallback for CuPy arrays here (%s)", e)
         return False
-    original = dask_deserialize.dispatch(cupy.ndarray)
     if getattr(original, "_eugo_receive", False):
         return True
 

@@ -37,6 +37,7 @@ from eugo_dask.config import (
 )
 from eugo_dask.runtime import (
     EVENT_TOPIC,
+    MAX_EVENT_TEXT,
     install_receive_fallback,
     release_idle_devices,
     usable_device,
@@ -81,7 +82,8 @@ class EugoWorkerPlugin(WorkerPlugin):
         for problem in worker_setting_problems():
             logger.error("eugo: %s%s", problem,
                          "; this worker uses no device" if problem in device_problems else "")
-            worker.log_event(EVENT_TOPIC, {"invalid-setting": problem, "worker": worker.address})
+            worker.log_event(EVENT_TOPIC, {"invalid-setting": problem[:MAX_EVENT_TEXT],
+                                           "worker": worker.address})
         install_receive_fallback()
         self._drive_idle_release(worker)
         resources = getattr(getattr(worker, "state", None), "total_resources", {}) or {}
@@ -91,7 +93,8 @@ class EugoWorkerPlugin(WorkerPlugin):
             logger.warning("eugo: this worker advertises %s=%s but cannot use a device (%s): "
                            "its GPU tasks run their CPU path", self.resource,
                            resources[self.resource], why)
-            worker.log_event(EVENT_TOPIC, {"no-device": str(why), "worker": worker.address})
+            worker.log_event(EVENT_TOPIC, {"no-device": str(why)[:MAX_EVENT_TEXT],
+                                           "worker": worker.address})
 
     @staticmethod
     def _drive_idle_release(worker: Any) -> None:
