@@ -500,3 +500,17 @@ def test_copies_wait_for_work_queued_on_the_default_stream(fake):
     with dev.task(0):
         back = dev.to_host(x)
     np.testing.assert_array_equal(back, np.full(100_000, 7.0))
+
+
+def test_gpu_extra_lets_distributed_serialize_cupy_arrays(cupy_without_gpu):
+    """Device arrays cross between GPU workers through distributed's CuPy serializers, which
+    need numba (or rmm): the gpu extra brings numba, and the worker plugin's receive fallback
+    wraps them."""
+    from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+    from eugo_dask.runtime import install_receive_fallback
+
+    cupy = cupy_without_gpu
+    assert dask_serialize.dispatch(cupy.ndarray) is not None  # registers; ImportError without numba
+    assert install_receive_fallback()
+    assert getattr(dask_deserialize.dispatch(cupy.ndarray), "_eugo_receive", False)
