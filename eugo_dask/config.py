@@ -23,8 +23,9 @@ import copy
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import dask
 import yaml
@@ -41,6 +42,8 @@ from eugo_dask.devices import (
 from eugo_dask.profile import PRESETS, check_profile_spec, preset_for_device
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _HERE = os.path.dirname(__file__)
 
@@ -152,30 +155,25 @@ def worker_setting_problems() -> list[str]:
     return problems
 
 
-def device_setting_problems() -> tuple[str, ...]:
-    """What is wrong with the settings this process's device path reads (``eugo.device``,
-    ``eugo.emulated.*``, the device settings): one message per key; empty where all is well. A
-    worker with any of them invalid uses no device. GPU tasks ask this, so the answer is worked
-    out once per distinct set of values."""
-    raw = tuple(map(_setting, _DEVICE_PATH_KEYS))
-    try:
-        hash(raw)
-    except TypeError:  # a list or a mapping where a value belongs: invalid, and not cacheable
-        return _device_setting_problems()
-    return _cached_device_setting_problems(raw)
+def _per_distinct_values(keys: tuple[str, ...]) -> Callable[[Callable[..., T]], Callable[[], T]]:
+    """Make ``fn(*values of keys)`` a reader of the config now in force that works its answer out
+    once per distinct set of values (GPU tasks call these readers). Values that cannot be hashed
+    (a list or a mapping where a value belongs: invalid) are worked out each time."""
+    def wrap(fn: Callable[..., T]) -> Callable[[], T]:
+        cached = functools.lru_cache(maxsize=64)(fn)
 
+        @functools.wraps(fn)
+        def read() -> T:
+            raw = tuple(map(_setting, keys))
+            try:
+                hash(raw)
+            except TypeError:
+                return fn(*raw)
+            return cached(*raw)
 
-def _device_setting_problems(raw: Any = None) -> tuple[str, ...]:
-    problems = []
-    for reader in (process_device, emulated_memory_limit, emulated_device_count, device_settings):
-        try:
-            reader()
-        except ValueError as e:
-            problems.append(str(e))
-    return tuple(problems)
+        return read
 
-
-_cached_device_setting_problems = functools.lru_cache(maxsize=64)(_device_setting_problems)
+    return wrap
 
 
 def emulated_device_count() -> int:
@@ -207,21 +205,12 @@ _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated
                      *_DEVICE_KEYS)
 
 
-def device_settings() -> DeviceSettings:
+@_per_distinct_values(_DEVICE_KEYS)
+def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
+                    staging_size: Any) -> DeviceSettings:
     """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
     ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``
-    and ``eugo.staging-buffer``, validated. (Tasks call this: the parsing is done once per
-    distinct set of values.)"""
-    raw = tuple(map(_setting, _DEVICE_KEYS))
-    try:
-        hash(raw)
-    except TypeError:
-        return _device_settings(*raw)
-    return _cached_device_settings(*raw)
-
-
-def _device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
-                     staging_size: Any) -> DeviceSettings:
+    and ``eugo.staging-buffer``, validated. Called without arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
     if isinstance(plans, bool) or not isinstance(plans, int) or plans < 0:
@@ -243,7 +232,19 @@ def _device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
                           staging_bytes=staging)
 
 
-_cached_device_settings = functools.lru_cache(maxsize=64)(_device_settings)
+@_per_distinct_values(_DEVICE_PATH_KEYS)
+def device_setting_problems(*_: Any) -> tuple[str, ...]:
+    """What is wrong with the settings this process's device path reads (``eugo.device``,
+    ``eugo.emulated.*``, the device settings): one message per key; empty where all is well. A
+    worker with any of them invalid uses no device. Called without arguments: the values in
+    force (the readers below read them)."""
+    problems = []
+    for reader in (process_device, emulated_memory_limit, emulated_device_count, device_settings):
+        try:
+            reader()
+        except ValueError as e:
+            problems.append(str(e))
+    return tuple(problems)
 
 
 def read_resource() -> str:

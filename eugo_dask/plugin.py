@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ from eugo_dask.rewrite import CPU_ROLE, DEVICE_ROLES, GPU_ROLE, HOST_ROLE
 from eugo_dask.runtime import (
     EVENT_TOPIC,
     FALLBACK_CATEGORIES,
+    FALLBACK_REASON,
     MAX_EVENT_TEXT,
     RAN_ON_CPU,
     RAN_ON_DEVICE,
@@ -71,16 +71,11 @@ _PENDING = frozenset({"released", "waiting", "no-worker", "queued"})
 MAX_PREFIXES = 2_000
 MAX_REASONS = 100
 MAX_WARNINGS = 100
-MAX_TEXT = MAX_EVENT_TEXT
 #: GPU tasks waiting on a GPU worker, fed by queued reads, past which the plugin warns that reads
 #: run ahead of the device: per worker thread (plain Dask holds about one root task per thread),
 #: and at least (a small computation's handful of blocks is no concern).
 BACKLOG_PER_THREAD = 16
 BACKLOG_MIN = 64
-#: Fallback reasons workers report start with one of these (runtime.DeviceCall's words), a
-#: device error with its kind: "device error (out-of-memory): EmulatedOutOfMemoryError".
-_REASON = re.compile(r"^(device error|unsupported on device|no device|host-only chunk|"
-                     r"device error on receive)( \([a-z-]+\))?(: .*)?$", re.S)
 
 
 @dataclass
@@ -226,7 +221,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ts.run_spec = cpu_path_task(ts.run_spec)
 
     def _warn(self, message: str) -> None:
-        self.warnings.append(message[:MAX_TEXT])
+        self.warnings.append(message[:MAX_EVENT_TEXT])
         logger.warning(message)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
@@ -358,8 +353,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             return
         # longer texts than eugo's own senders make (they cut theirs) are not eugo's: dropped
         text = {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
-                and len(v) <= MAX_TEXT}
-        if "fallback" in text and _REASON.match(text["fallback"]):
+                and len(v) <= MAX_EVENT_TEXT}
+        if "fallback" in text and FALLBACK_REASON.match(text["fallback"]):
             reason = text["fallback"]
             if reason in self.fallback_reasons or len(self.fallback_reasons) < MAX_REASONS:
                 prefixes = self.fallback_reasons.setdefault(reason, set())

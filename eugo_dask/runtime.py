@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import threading
 from collections import Counter
@@ -226,6 +227,13 @@ FALLBACK_CATEGORIES: tuple[FallbackCategory, ...] = (
 _REASON_WORDS: dict[FallbackCategory, str] = {
     "device-error": "device error", "unsupported": "unsupported on device",
     "no-device": "no device", "host-chunk": "host-only chunk"}
+_RECEIVE_WORDS = "device error on receive"
+#: What a fallback reason eugo reports looks like: its words, a device error's kind in
+#: parentheses ("device error (out-of-memory): EmulatedOutOfMemoryError"), then the detail. The
+#: scheduler plugin accepts reports of this shape only.
+FALLBACK_REASON = re.compile(
+    rf"^({'|'.join(map(re.escape, [*_REASON_WORDS.values(), _RECEIVE_WORDS]))})"
+    r"( \([a-z-]+\))?(: .*)?$", re.S)
 _reported: set[tuple[str, str]] = set()
 
 
@@ -402,7 +410,7 @@ def _receive(data: np.ndarray) -> Any:
         assert isinstance(device, EmulatedDevice)
         return device.wrap(data)
     except MemoryError:
-        _stats.add_fallback("device error on receive: out of memory")
+        _stats.add_fallback(f"{_RECEIVE_WORDS}: out of memory")
         return data
 
 
@@ -430,7 +438,7 @@ def install_receive_fallback() -> bool:
             try:
                 return original(header, frames)
             except MemoryError:  # cupy's OutOfMemoryError is one
-                _stats.add_fallback("device error on receive: out of memory")
+                _stats.add_fallback(f"{_RECEIVE_WORDS}: out of memory")
         return _host_from_cupy_frames(header, frames)
 
     receive._eugo_receive = True  # type: ignore[attr-defined]

@@ -48,18 +48,12 @@ logger = logging.getLogger(__name__)
 
 
 def device_capability() -> tuple[str | None, str | None]:
-    """(the device GPU tasks can use in this process, or None; why not, or None)."""
-    problems = device_setting_problems()
-    if problems:
-        return None, f"invalid setting: {problems[0]}"
-    setting = process_device()
-    if setting == "emulated":
-        return ("emulated", None) if usable_device("emulated") else (None, why_no_device("emulated"))
-    if setting == "none":
-        return None, why_no_device("cupy")
-    if usable_device("cupy") is not None:
-        return "cupy", None
-    return None, why_no_device("cupy")
+    """(the device GPU tasks can use in this process, or None; why not, or None): the runtime's
+    own answer (:func:`~eugo_dask.runtime.usable_device`, invalid settings included)."""
+    name = "emulated" if not device_setting_problems() and process_device() == "emulated" else "cupy"
+    if usable_device(name) is not None:
+        return name, None
+    return None, why_no_device(name)
 
 
 class EugoWorkerPlugin(WorkerPlugin):
