@@ -258,6 +258,40 @@ class Rewritten(NamedTuple):
                 for k, d in self.plan.decisions.items()}
 
 
+class _DeviceRefs(dict[Key, TaskRef]):
+    """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to its
+    device copy; a host result's copy task is written (into ``out``, with its role and origin)
+    the first time it is asked for. One reference per copy, shared by its consumers.
+
+    A class of its own rather than one made inside :func:`rewrite_graph`: a class is a
+    reference cycle, and one closing over the graph being written would keep that graph and the
+    plan alive until the cyclic collector ran."""
+
+    def __init__(self, plan: Plan, targets: dict[Key, Key], out: dict[Key, GraphNode],
+                 roles: dict[Key, RoleEntry], origin: dict[Key, Key], device: str,
+                 token: str) -> None:
+        super().__init__()
+        self.plan, self.targets, self.out = plan, targets, out
+        self.roles, self.origin, self.device, self.token = roles, origin, device, token
+
+    def __missing__(self, dep: Key) -> TaskRef:
+        source: Key = self.targets.get(dep, dep)
+        ref = self.get(source)
+        if ref is None:
+            placed = self.plan.decisions.get(source)
+            if placed is not None and placed.device == GPU:
+                # (the plan is in dependency order: never, in practice)
+                ref = TaskRef(prefixed_key(source, GPU_PREFIX, self.token))
+            else:
+                key = prefixed_key(source, H2D_PREFIX, self.token)
+                self.out[key] = Task(key, to_device, TaskRef(source), self.device)
+                self.roles[key] = (TODEVICE_ROLE, None, None)
+                self.origin[key] = source
+                ref = self[source] = TaskRef(key)
+        self[dep] = ref
+        return ref
+
+
 def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, outputs: set[Key],
                   how: Rewrite) -> Rewritten:
     """Apply ``plan`` to ``dsk`` (task-spec nodes, in dependency ``order``): see the module
@@ -277,29 +311,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
     layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
 
-    class OnDevice(dict[Key, TaskRef]):
-        """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to
-        its device copy; a host result's copy task is written the first time it is asked for.
-        One reference per copy, shared by its consumers."""
-
-        def __missing__(self, dep: Key) -> TaskRef:
-            source: Key = targets.get(dep, dep)
-            ref = self.get(source)
-            if ref is None:
-                placed = plan.decisions.get(source)
-                if placed is not None and placed.device == GPU:
-                    # (the plan is in dependency order: never, in practice)
-                    ref = TaskRef(prefixed_key(source, GPU_PREFIX, token))
-                else:
-                    key = prefixed_key(source, H2D_PREFIX, token)
-                    out[key] = Task(key, to_device, TaskRef(source), device)
-                    roles[key] = (TODEVICE_ROLE, None, None)
-                    origin[key] = source
-                    ref = self[source] = TaskRef(key)
-            self[dep] = ref
-            return ref
-
-    on_device = OnDevice()
+    on_device = _DeviceRefs(plan, targets, out, roles, origin, device, token)
     # The loop runs once per task of graphs a million tasks large: what one task of a layer
     # works out (its DeviceCall, its device name, its fused inner graph on the device), every
     # task shares; the device task is made with the dependencies already known (new_task).

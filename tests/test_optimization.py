@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import subprocess
@@ -141,3 +142,58 @@ def test_array_expressions_say_eugo_is_off_and_explain_still_works():
                          timeout=120, check=True).stdout.splitlines()
     assert out[0] == "['eugo-dask: dask.array runs in array-expression mode (array.q']"
     assert out[1] == "None 4"  # what eugo would do, with the graph run unchanged
+
+
+def _small_matmul():
+    x = da.ones((64, 64), chunks=8)
+    return (x @ x.T).sum()
+
+
+def test_the_pass_leaves_no_garbage_for_the_cyclic_collector(emulated):
+    """What the pass builds and drops is freed by reference counting as it goes: garbage in
+    a reference cycle (a class made per call, closing over the graph being written) kept the
+    plan and the intermediate graph alive until the collector ran. (Other garbage, such as
+    that of event loops earlier tests left running, is not the pass's.)"""
+    x = _small_matmul()
+    graph, keys = x.__dask_graph__(), x.__dask_keys__()
+    eugo(graph, keys)  # first use: imports, caches
+    gc.collect()
+    gc.disable()
+    try:
+        out = eugo(graph, keys)
+        rewritten = [k for k in dict(out) if "eugo-gpu" in str(k)]
+        del out
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what the collection finds stays in gc.garbage
+        gc.collect()
+        ours = [o for o in gc.garbage if type(o).__module__.startswith(("eugo_dask", "dask."))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert rewritten
+    assert ours == []
+
+
+def test_the_pass_leaves_the_collector_as_it_found_it(emulated):
+    x = _small_matmul()
+    graph, keys = x.__dask_graph__(), x.__dask_keys__()
+    assert gc.isenabled()
+    eugo(graph, keys)
+    assert gc.isenabled()
+    # objects the process froze (gc.freeze, before forking workers) stay frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        eugo(graph, keys)
+        # still frozen (gc.unfreeze would leave none; a few may have been freed meanwhile)
+        assert gc.get_freeze_count() > frozen - 100
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        eugo(graph, keys)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
