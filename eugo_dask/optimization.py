@@ -45,10 +45,10 @@ from eugo_dask.graph import (
     task_spec_dict,
 )
 from eugo_dask.history import ensure_local_timing, expect, get_history
-from eugo_dask.plan import Plan, place
+from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile, load_profile
 from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
-from eugo_dask.runtime import EVENT_TOPIC
+from eugo_dask.runtime import EVENT_TOPIC, device_started
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,20 @@ class _Described(NamedTuple):
         return place(self.graph, self.keys, self.description, profile=self.profile,
                      min_speedup=settings.min_speedup, device=device,
                      device_memory_bytes=_device_memory_bytes(
-                         settings, settings.device, self.profile.gpu.memory_bytes))
+                         settings, settings.device, self.profile.gpu.memory_bytes),
+                     cold=_cold_start(device, self.profile))
+
+
+def _cold_start(device: str | None, profile: Profile) -> ColdStart | None:
+    """What starting ``device`` would cost this graph, where it runs here and has not run in
+    this process yet (the profile's measured first-use costs; presets have none). A graph
+    submitted to a cluster runs on workers that start their device once in their life: none."""
+    gpu = profile.gpu
+    if (device is None or _submitted.get() is not None
+            or (gpu.first_use_s is None and gpu.thread_setup_s is None)
+            or device_started(device)):
+        return None
+    return ColdStart(gpu.first_use_s or 0.0, gpu.thread_setup_s or 0.0)
 
 
 def _profile(settings: Settings) -> Profile:

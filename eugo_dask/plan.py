@@ -26,7 +26,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dask._task_spec import Alias, Task
 from dask.utils import key_split
@@ -57,16 +57,18 @@ class Decision:
     """
 
     __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
-                 "_d2h_in_s", "_min_speedup", "_memory_limit")
+                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
-                 min_speedup: float, memory_limit: float | None) -> None:
+                 min_speedup: float, memory_limit: float | None,
+                 cold: tuple[float, float] | None = None) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
         self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
+        self._cold = cold
 
     @property
     def prefix(self) -> str:
@@ -119,6 +121,11 @@ class Decision:
         if self._memory_limit is not None:
             return (f"{label}: needs {format_bytes(working_set_bytes(est))} on the device, more "
                     f"than the {format_bytes(self._memory_limit)} allowed")
+        if self._cold is not None:
+            startup, saved = self._cold
+            return (f"{label}: the device has not run in this process yet; starting it "
+                    f"({format_seconds(startup)}) costs more than the GPU would save this graph "
+                    f"({format_seconds(saved)})")
         parts = [f"GPU {format_seconds(est.gpu_s)}"]
         parts += [f"H2D {format_seconds(self.h2d_s)}"] if self.h2d_s else []
         parts += [f"D2H {format_seconds(self.d2h_s)}"] if self.d2h_s else []
@@ -145,6 +152,18 @@ class Decision:
 
     def __repr__(self) -> str:
         return f"Decision({self.key!r}, {self.device!r}, {self.reason!r})"
+
+
+class ColdStart(NamedTuple):
+    """What a device that has not run in this process yet costs to start: ``first_use_s`` once
+    (CUDA context, module load, the first kernel compile) and ``thread_setup_s`` for each
+    thread that runs device work (its stream, cuBLAS handle, FFT plans)."""
+
+    first_use_s: float
+    thread_setup_s: float
+
+    def seconds(self, threads: int) -> float:
+        return self.first_use_s + self.thread_setup_s * threads
 
 
 def working_set_bytes(est: Estimate) -> int:
@@ -256,6 +275,8 @@ def place(
     min_speedup: float,
     device: str | None,
     device_memory_bytes: float,
+    cold: ColdStart | None = None,
+    _not_worth_starting: tuple[float, float] | None = None,
 ) -> Plan:
     """Place every described task of ``dsk`` (see the module docstring).
 
@@ -269,6 +290,11 @@ def place(
         The device that will run GPU tasks (None: plan what would go where; nothing runs there).
     device_memory_bytes
         A task whose inputs, result and temporaries exceed this never offloads.
+    cold
+        Where the device has not run in this process yet: what starting it costs. Unless
+        ``min_speedup`` is 0 (offload whatever can be), the graph stays on the CPU when the GPU
+        would save it less than that (each thread that would run device work, up to the CPU's
+        threads, pays its own setup).
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
@@ -311,7 +337,8 @@ def place(
         capable = est.gpu_capable
         too_big = (capable and device is not None  # working_set_bytes(est), inline
                    and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
-        if capable and not too_big and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total):
+        if (capable and not too_big and _not_worth_starting is None
+                and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
             placement: Placement = GPU
             # the inputs not on the device are copied there; adding those already on it too
             # changes nothing (a key on the device is never looked up in h2d_done) and is one
@@ -332,8 +359,16 @@ def place(
         as_chosen += chosen
         decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,  # lanes,
                                 lanes, d2h_in, min_speedup,  # d2h_in_s, min_speedup, memory_limit
-                                device_memory_bytes if too_big else None)
+                                device_memory_bytes if too_big else None,
+                                _not_worth_starting if capable and not too_big else None)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
+    if cold is not None and on_gpu and min_speedup != 0:
+        startup = cold.seconds(min(len(on_gpu), threads))
+        saved = all_cpu - as_chosen
+        if saved < startup:  # the same walk, every task on the CPU, each saying why
+            return place(dsk, keys, description, profile=profile, min_speedup=min_speedup,
+                         device=device, device_memory_bytes=device_memory_bytes,
+                         _not_worth_starting=(startup, saved))
 
     return Plan(
         decisions=decisions,

@@ -118,6 +118,12 @@ def get_device(name: str) -> Device | None:
     return device
 
 
+def device_started(name: str) -> bool:
+    """Whether this process has started the device ``name`` (made and probed it: CUDA context,
+    module load and the probe's kernel compile are paid)."""
+    return any(key[0] == name for key in list(_devices))
+
+
 def release_idle_devices() -> None:
     """Give back the pools of this process's devices that sat idle for ``eugo.device-idle-release``
     (a worker's periodic callback calls this)."""

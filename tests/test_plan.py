@@ -8,6 +8,12 @@ import numpy as np
 import pytest
 
 import eugo_dask
+from eugo_dask import optimization, runtime
+from eugo_dask.config import read_settings
+from eugo_dask.profile import load_profile
+from eugo_dask.report import format_seconds
+
+from .conftest import H200_SERVER
 
 N512M = 512 * 2**20
 
@@ -135,3 +141,74 @@ def test_io_aggregate_creation_and_unknown_never_offload(emulated):
     assert all(d.device == "cpu" for d in plan if d.op in ("creation", "aggregate", "unknown"))
     assert "runs on the host" in reasons["creation"]
     assert "aggregation of partial results stays on the CPU" in reasons["aggregate"]
+
+
+# --- a device not started in this process yet (first-use costs, measured by calibrate) --------
+def cold_profile(first_use_s, thread_setup_s=0.0):
+    return {"eugo.profile": {**H200_SERVER, "gpu": {"first_use_s": first_use_s,
+                                                    "thread_setup_s": thread_setup_s}}}
+
+
+@pytest.fixture
+def cold_device(h200_server, monkeypatch):
+    """No device started in this process (as in a fresh one)."""
+    monkeypatch.setattr(runtime, "_devices", {})
+    assert not runtime.device_started("emulated")
+
+
+def test_a_cold_device_is_started_only_where_the_graph_repays_it(cold_device):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    warm = eugo_dask.explain(build())
+    assert main_decision(warm).device == "gpu"
+    saved = warm.totals["all_cpu"] - warm.totals["as_chosen"]
+    with dask.config.set(cold_profile(first_use_s=saved * 0.5)):
+        assert main_decision(eugo_dask.explain(build())).device == "gpu"
+    with dask.config.set(cold_profile(first_use_s=saved * 1.5)):
+        plan = eugo_dask.explain(build())
+    assert [d.device for d in plan] == ["cpu"] * len(plan)
+    assert plan.totals["as_chosen"] == pytest.approx(plan.totals["all_cpu"])
+    reason = main_decision(plan).reason
+    assert "has not run in this process yet" in reason
+    assert format_seconds(saved * 1.5) in reason and format_seconds(saved) in reason
+
+
+def test_each_thread_that_would_run_device_work_pays_its_setup(cold_device):
+    a = host((8192, 8192), chunks=(2048, 8192), name="a")  # 4 row blocks: 4 GPU matmuls
+    x = a @ host((8192, 8192), name="b")
+    warm = eugo_dask.explain(x)
+    gpu_tasks = sum(d.device == "gpu" for d in warm)
+    assert gpu_tasks >= 4
+    threads = load_profile(H200_SERVER).cpu.threads
+    with dask.config.set(cold_profile(first_use_s=1.0, thread_setup_s=100.0)):
+        plan = eugo_dask.explain(x)
+    assert {d.device for d in plan} == {"cpu"}
+    startup = 1.0 + 100.0 * min(gpu_tasks, threads)
+    assert f"starting it ({format_seconds(startup)})" in main_decision(plan).reason
+
+
+def test_a_started_device_pays_no_first_use(cold_device):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    runtime.get_device("emulated")  # started by an earlier graph of this process
+    assert runtime.device_started("emulated")
+    with dask.config.set(cold_profile(first_use_s=1e6)):
+        assert main_decision(eugo_dask.explain(build())).device == "gpu"
+
+
+def test_min_speedup_zero_starts_a_cold_device_regardless(cold_device):
+    with dask.config.set({**cold_profile(first_use_s=1e6), "eugo.min-speedup": 0}):
+        plan = eugo_dask.explain(gauss_sine(host((10_000,))))
+    assert [d.device for d in plan] == ["gpu"]
+
+
+def test_graphs_for_a_cluster_pay_no_first_use(cold_device):
+    """Workers start their device once in their life: a submitted graph is not charged it."""
+    build, _ = SEED_ROWS["matmul 8192²"]
+    with dask.config.set(cold_profile(first_use_s=1e6)):
+        settings = read_settings().resolved()
+        profile = optimization._profile(settings)
+        assert optimization._cold_start("emulated", profile) is not None
+        token = optimization._submitted.set(optimization.Submission(settings, {}))
+        try:
+            assert optimization._cold_start("emulated", profile) is None
+        finally:
+            optimization._submitted.reset(token)
