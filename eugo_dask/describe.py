@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef, _execute_subgraph
 
 from eugo_dask.cost_model import Estimate, Op, Step, estimate_task
 from eugo_dask.graph import (
@@ -183,12 +183,13 @@ class TaskDescriber:
         return cached
 
     def describe(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
-                 ) -> tuple[Estimate, ArraySpec | None, Value]:
+                 ) -> tuple[Estimate, ArraySpec | None, Value, bool]:
         """Estimate one task and infer its output chunk's spec. ``deps``: the keys it reads;
         ``values``: what each key described so far holds (a chunk's spec,
         :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a literal such as an array-like a read takes
         its chunk from; an alias holds its target's). Returns the estimate, the output spec and
-        what the task hands on (its spec, or a tuple of them).
+        what the task hands on (its spec, or a tuple of them), and whether every chunk of the
+        layer with the same inputs gets the same answer.
 
         Chunks of one layer with the same inputs get the same answer: it is worked out once
         (the pass runs this for every task of graphs a million tasks large), and the lookup
@@ -207,7 +208,7 @@ class TaskDescriber:
             layer = key_name(key)
         result = self._results.get((follow_key, layer))
         if result is not None:
-            return result
+            return (*result, True)
         inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
         followed = self._followed.get(follow_key)
         if followed is None:
@@ -244,11 +245,12 @@ class TaskDescriber:
                 estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate
         result = (estimate, out, out if out is not None else inferred)
-        if isinstance(inferred, ArraySpec):
-            # the result follows from the inputs (the annotation only confirms the dtype):
-            # the same for every chunk of the layer with these inputs
+        # where the result follows from the inputs (the annotation only confirms the dtype),
+        # it is the same for every chunk of the layer with these inputs
+        shared = isinstance(inferred, ArraySpec)
+        if shared:
             self._results[(follow_key, layer)] = result
-        return result
+        return (*result, shared)
 
     def _output_spec(self, key: Key, parts: Fused | None, inferred: Value) -> ArraySpec | None:
         """The task's result: the collection's annotation where it agrees with what the
@@ -300,12 +302,18 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     # an alias's own entry in ``values`` holds its target's, so a task's inputs are read from
     # ``values`` by the keys the task names, aliases or not.
     ours: dict[int, bool] = {}  # id(func) -> whether eugo put it there (the graph keeps it alive)
+    # The describer's answers for a layer's chunks with the same inputs, looked up first by
+    # identity: the function (or fused inner graph) and the very objects the task reads (a
+    # layer's chunks of one shape share one spec object, and everything compared is kept alive
+    # by the graph or by ``values`` until the walk ends), without hashing what they hold.
+    shared: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
     for k in order:
         node = dsk[k]
         if type(node) is Task:
-            written = ours.get(id(node.func))
+            func = node.func
+            written = ours.get(id(func))
             if written is None:
-                written = ours[id(node.func)] = not is_fused(node) and is_eugo_callable(node.func)
+                written = ours[id(func)] = not is_fused(node) and is_eugo_callable(func)
             if written:
                 specs[k] = None
                 values[k] = UNKNOWN_ARRAY
@@ -315,7 +323,24 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 reads[k] = frozenset([resolve(d, d) for d in deps])
             else:
                 reads[k] = deps
-            estimates[k], specs[k], handed_on = describer.describe(k, node, deps, values)
+            args = node.args
+            if func is _execute_subgraph:  # Fused: (inner, outkey, inkeys, *deps)
+                outkey = args[1]
+                same: tuple[Any, ...] | None = (
+                    id(args[0]), outkey[0] if type(outkey) is tuple else key_name(k),
+                    *[id(values.get(d.key)) if type(d) is TaskRef else id(d) for d in args[3:]])
+            elif node.kwargs:
+                same = None
+            else:
+                same = (id(func), key_name(k),
+                        *[id(values.get(a.key)) if type(a) is TaskRef else id(a) for a in args])
+            answer = shared.get(same) if same is not None else None
+            if answer is None:
+                estimate, spec, handed_on, cacheable = describer.describe(k, node, deps, values)
+                answer = (estimate, spec, handed_on)
+                if cacheable and same is not None:
+                    shared[same] = answer
+            estimates[k], specs[k], handed_on = answer
             values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
         elif isinstance(node, DataNode):
             value = values[k] = _literal(node.value)  # a chunk, or an array-like to read from

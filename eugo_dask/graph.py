@@ -61,6 +61,8 @@ class ChunkInfo:
                  chunk_types: Mapping[str, str] | None = None):
         self._layers = dict(layers)
         self._chunk_types = dict(chunk_types or {})
+        # one object per distinct spec: the chunks of a layer share it (see describe_graph)
+        self._interned: dict[ArraySpec, ArraySpec] = {}
 
     @classmethod
     def from_graph(cls, graph: Any) -> ChunkInfo:
@@ -140,7 +142,8 @@ class ChunkInfo:
             if any(isinstance(s, float) and math.isnan(s) for s in shape):
                 return None  # unknown chunk sizes (boolean indexing): size unknown
             shape = tuple(int(s) for s in shape)
-        return ArraySpec(shape, dtype)
+        spec = ArraySpec(shape, dtype)
+        return self._interned.setdefault(spec, spec)
 
 
 # ---------------------------------------------------------------------------------------------

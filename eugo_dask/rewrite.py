@@ -23,7 +23,7 @@ import uuid
 from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
+from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef, _execute_subgraph
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
@@ -323,18 +323,33 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         gpu.add(key)
         node = dsk[key]
         assert type(node) is Task, node
-        subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
-        args = [on_device[a.key] if isinstance(a, TaskRef)  # a distributed Future is one too
-                else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
-                for a in node.args]
-        kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
-        parts = fused(node)
-        if parts is not None:
-            inner = parts.inner  # shared by every chunk of a blockwise layer: rewrite it once
-            if id(inner) not in inner_on_device:
-                inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
-            args[0] = inner_on_device[id(inner)]
-        func = node.func
+        func, args = node.func, node.args
+        refs = (None if func is not _execute_subgraph or node.kwargs
+                else [on_device[d.key] for d in args[3:] if type(d) is TaskRef])
+        if refs is not None and len(refs) == len(args) - 3:
+            # the common case, a fused task reading plain references: (inner, outkey, inkeys,
+            # *deps), its inner graph shared by every chunk of a blockwise layer
+            inner = args[0]
+            inner_on = inner_on_device.get(id(inner))
+            if inner_on is None:
+                inner_on = inner_on_device[id(inner)] = sources_on_device(
+                    inner, is_inner_source, device)
+            args = (inner_on, args[1], args[2], *refs)
+            kwargs: dict[str, Any] = {}
+            reads = frozenset([r.key for r in refs])
+        else:
+            subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
+            rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
+                         else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
+                         for a in args]
+            kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
+            parts = fused(node)
+            if parts is not None:
+                inner = parts.inner
+                if id(inner) not in inner_on_device:
+                    inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
+                rewritten[0] = inner_on_device[id(inner)]
+            args, reads = tuple(rewritten), frozenset(subs.values())
         name = key[0] if type(key) is tuple else key
         call = layer_calls.get(name)
         if call is None or call[0].func is not func:
@@ -344,8 +359,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
                                                   prefixed_key(name, GPU_PREFIX, token))
             layer_calls[name] = call
         device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
-        out[device_key] = new_task(device_key, call[0], tuple(args), kwargs,
-                                   frozenset(subs.values()), node.data_producer)
+        out[device_key] = new_task(device_key, call[0], args, kwargs, reads, node.data_producer)
         on_device[key] = TaskRef(device_key)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         origin[device_key] = key
