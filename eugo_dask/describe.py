@@ -286,6 +286,33 @@ class GraphDescription:
         return self.targets.get(key, key)
 
 
+_NESTED, _WHOLE = object(), object()  # markers in the keys _same_inputs makes
+
+
+def _same_inputs(key: Key, func: Any, args: tuple[Any, ...], deps: frozenset[Key],
+                 values: Mapping[Key, Value], chunks: ChunkInfo) -> tuple[Any, ...]:
+    """The identity key under which ``describe_graph`` shares an unfused task's description
+    with the chunks of its layer. A task nesting another one (a tree reduction's
+    ``_chunk_sum(_identity_cast(Alias(k1), Alias(k2)))``) is described from its inputs and its
+    own chunk's annotation, not from its arguments alone: those go into the key too, which then
+    holds everything the description depends on (it ends with ``_WHOLE``)."""
+    same: list[Any] = [id(func), key_name(key)]
+    nested = False
+    for a in args:
+        if type(a) is TaskRef:
+            same.append(id(values.get(a.key)))
+        elif type(a) is Task:  # (the shape rules do not follow it)
+            same.append(_NESTED)
+            nested = True
+        else:
+            same.append(id(a))
+    if nested:
+        same.append(id(chunks.spec(key)))
+        same.extend([id(values.get(d)) for d in deps])
+        same.append(_WHOLE)
+    return tuple(same)
+
+
 def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                    history: RuntimeHistory | None = None) -> GraphDescription:
     """Describe every task of ``dsk`` (task-spec nodes, after Dask's optimization), inputs'
@@ -332,13 +359,12 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             elif node.kwargs:
                 same = None
             else:
-                same = (id(func), key_name(k),
-                        *[id(values.get(a.key)) if type(a) is TaskRef else id(a) for a in args])
+                same = _same_inputs(k, func, args, deps, values, chunks)
             answer = shared.get(same) if same is not None else None
             if answer is None:
                 estimate, spec, handed_on, cacheable = describer.describe(k, node, deps, values)
                 answer = (estimate, spec, handed_on)
-                if cacheable and same is not None:
+                if same is not None and (cacheable or same[-1] is _WHOLE):
                     shared[same] = answer
             estimates[k], specs[k], handed_on = answer
             values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
