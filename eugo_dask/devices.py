@@ -1123,6 +1123,12 @@ def cupy_unusable_reason() -> str | None:
     return reason
 
 
+def cupy_probe_passed() -> bool:
+    """Whether this process has probed CuPy (:func:`cupy_unusable_reason` ran) and device 0
+    passed: its CUDA context is made and a kernel compiled."""
+    return cupy_unusable_reason.cache_info().currsize > 0 and cupy_unusable_reason() is None
+
+
 @functools.lru_cache(maxsize=1)
 def cupy_device_count() -> int:
     """Number of CUDA devices CuPy can use here: 0 without CuPy, a driver or a device, and where

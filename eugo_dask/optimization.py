@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import gc
 import json
 import logging
@@ -48,7 +49,7 @@ from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile, load_profile
 from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
-from eugo_dask.runtime import EVENT_TOPIC, device_started
+from eugo_dask.runtime import EVENT_TOPIC, device_first_use_paid, device_started
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -159,15 +160,53 @@ class _Described(NamedTuple):
 
 
 def _cold_start(device: str | None, profile: Profile) -> ColdStart | None:
-    """What starting ``device`` would cost this graph, where it runs here and has not run in
-    this process yet (the profile's measured first-use costs; presets have none). A graph
-    submitted to a cluster runs on workers that start their device once in their life: none."""
+    """What starting ``device`` would cost a graph computed from this process (the profile's
+    measured first-use costs; presets have none), or None where nothing is to pay.
+
+    The local threaded and synchronous schedulers run device work in this process: its first
+    use (context, module load, first kernel compile) until it is paid (for CuPy, the probe
+    that resolving the device runs pays it), and each thread's setup until tasks have run
+    here (the scheduler's thread pool lives on). The processes scheduler's pool processes each
+    start their own. A graph submitted to a cluster runs on workers that start their device
+    once in their life: none, as for a graph explained while a distributed client is the
+    default scheduler."""
     gpu = profile.gpu
-    if (device is None or _submitted.get() is not None
-            or (gpu.first_use_s is None and gpu.thread_setup_s is None)
-            or device_started(device)):
+    first_use, thread_setup = gpu.first_use_s or 0.0, gpu.thread_setup_s or 0.0
+    if device is None or _submitted.get() is not None or not (first_use or thread_setup):
         return None
-    return ColdStart(gpu.first_use_s or 0.0, gpu.thread_setup_s or 0.0)
+    local = _local_scheduler()
+    if local is None:
+        return None
+    kind, workers = local
+    if kind == "processes":
+        return ColdStart(0.0, first_use + thread_setup, workers)
+    if device_started(device):
+        return None
+    return ColdStart(0.0 if device_first_use_paid(device) else first_use, thread_setup, workers)
+
+
+def _local_scheduler() -> tuple[str, int] | None:
+    """How a graph computed here runs, as dask.config says (``scheduler``, ``num_workers``, a
+    default distributed client): ``("threads" or "processes", how many)``, or None for a
+    distributed client or a scheduler of another kind. A ``scheduler=`` argument of
+    ``compute`` is not seen by the optimization that calls this."""
+    from dask import local, threaded
+    from dask.base import get_scheduler
+    from dask.system import CPU_COUNT
+
+    named = dask.config.get("scheduler", None) is not None
+    scheduler = get_scheduler() if named or "distributed" in sys.modules else None
+    workers = dask.config.get("num_workers", None) or CPU_COUNT
+    if scheduler is None or scheduler is threaded.get:
+        return ("threads", workers)
+    if scheduler is local.get_sync:
+        return ("threads", 1)
+    multiprocessing = sys.modules.get("dask.multiprocessing")
+    if multiprocessing is not None and scheduler is multiprocessing.get:
+        return ("processes", workers)
+    if isinstance(scheduler, functools.partial) and scheduler.func is local.get_async:
+        return ("threads", scheduler.args[1])  # a concurrent.futures pool of threads
+    return None
 
 
 def _profile(settings: Settings) -> Profile:

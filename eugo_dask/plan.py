@@ -62,7 +62,7 @@ class Decision:
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None,
-                 cold: tuple[float, float] | None = None) -> None:
+                 cold: tuple[float, float, float] | None = None) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
@@ -122,10 +122,13 @@ class Decision:
             return (f"{label}: needs {format_bytes(working_set_bytes(est))} on the device, more "
                     f"than the {format_bytes(self._memory_limit)} allowed")
         if self._cold is not None:
-            startup, saved = self._cold
-            return (f"{label}: the device has not run in this process yet; starting it "
-                    f"({format_seconds(startup)}) costs more than the GPU would save this graph "
-                    f"({format_seconds(saved)})")
+            startup, on_gpu, on_cpu = self._cold
+            with_startup = on_gpu + startup
+            ratio = on_cpu / with_startup if with_startup > 0 else math.inf
+            return (f"{label}: the device is not started; with its start "
+                    f"({format_seconds(startup)}) the graph's GPU work would take "
+                    f"{format_seconds(with_startup)} against {format_seconds(on_cpu)} on the CPU "
+                    f"({ratio:.3g}x < {self._min_speedup:g})")
         parts = [f"GPU {format_seconds(est.gpu_s)}"]
         parts += [f"H2D {format_seconds(self.h2d_s)}"] if self.h2d_s else []
         parts += [f"D2H {format_seconds(self.d2h_s)}"] if self.d2h_s else []
@@ -155,15 +158,17 @@ class Decision:
 
 
 class ColdStart(NamedTuple):
-    """What a device that has not run in this process yet costs to start: ``first_use_s`` once
-    (CUDA context, module load, the first kernel compile) and ``thread_setup_s`` for each
-    thread that runs device work (its stream, cuBLAS handle, FFT plans)."""
+    """What starting the device costs a graph: ``once_s`` (the process's CUDA context, module
+    load and first kernel compile, where the process that plans runs the tasks) and
+    ``per_worker_s`` for each of up to ``workers`` threads or processes that would run device
+    work (a thread's stream, cuBLAS handle and FFT plans; a process's whole start)."""
 
-    first_use_s: float
-    thread_setup_s: float
+    once_s: float
+    per_worker_s: float
+    workers: int
 
-    def seconds(self, threads: int) -> float:
-        return self.first_use_s + self.thread_setup_s * threads
+    def seconds(self, device_tasks: int) -> float:
+        return self.once_s + self.per_worker_s * min(device_tasks, self.workers)
 
 
 def working_set_bytes(est: Estimate) -> int:
@@ -276,7 +281,7 @@ def place(
     device: str | None,
     device_memory_bytes: float,
     cold: ColdStart | None = None,
-    _not_worth_starting: tuple[float, float] | None = None,
+    _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
 ) -> Plan:
     """Place every described task of ``dsk`` (see the module docstring).
 
@@ -291,10 +296,10 @@ def place(
     device_memory_bytes
         A task whose inputs, result and temporaries exceed this never offloads.
     cold
-        Where the device has not run in this process yet: what starting it costs. Unless
-        ``min_speedup`` is 0 (offload whatever can be), the graph stays on the CPU when the GPU
-        would save it less than that (each thread that would run device work, up to the CPU's
-        threads, pays its own setup).
+        Where the device is not started: what starting it costs. Unless ``min_speedup`` is 0
+        (offload whatever can be), the graph's GPU work taken together, the start added, must
+        still beat its CPU time by ``min_speedup``; otherwise the graph stays on the CPU, and
+        the tasks that would have gone to the GPU say why.
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
@@ -314,6 +319,7 @@ def place(
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
+    gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
     # ``estimates`` holds the described tasks in dependency order: iterating it skips the
     # others without a lookup each
     for k, est in estimates.items():
@@ -337,7 +343,7 @@ def place(
         capable = est.gpu_capable
         too_big = (capable and device is not None  # working_set_bytes(est), inline
                    and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
-        if (capable and not too_big and _not_worth_starting is None
+        if (capable and not too_big and _not_starting is None
                 and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
             placement: Placement = GPU
             # the inputs not on the device are copied there; adding those already on it too
@@ -348,6 +354,7 @@ def place(
             if d2h_out:
                 d2h_done.add(k)
             chosen = gpu_total
+            gpu_cpu_s += cpu_s
         else:
             placement = CPU
             # likewise: the inputs on the device are copied back, and a key on the host (placed
@@ -360,15 +367,19 @@ def place(
         decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,  # lanes,
                                 lanes, d2h_in, min_speedup,  # d2h_in_s, min_speedup, memory_limit
                                 device_memory_bytes if too_big else None,
-                                _not_worth_starting if capable and not too_big else None)
+                                _not_starting[1] if _not_starting and k in _not_starting[0]
+                                else None)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
     if cold is not None and on_gpu and min_speedup != 0:
-        startup = cold.seconds(min(len(on_gpu), threads))
-        saved = all_cpu - as_chosen
-        if saved < startup:  # the same walk, every task on the CPU, each saying why
+        # The GPU tasks' CPU time against what placing them costs (their own device time and
+        # copies, and the copies back their CPU consumers pay): all_cpu - as_chosen apart.
+        startup = cold.seconds(len(on_gpu))
+        on_gpu_s = gpu_cpu_s - (all_cpu - as_chosen)
+        if startup > 0 and gpu_cpu_s < min_speedup * (on_gpu_s + startup):
+            # the same walk, every task on the CPU; those it would have offloaded say why
             return place(dsk, keys, description, profile=profile, min_speedup=min_speedup,
                          device=device, device_memory_bytes=device_memory_bytes,
-                         _not_worth_starting=(startup, saved))
+                         _not_starting=(frozenset(on_gpu), (startup, on_gpu_s, gpu_cpu_s)))
 
     return Plan(
         decisions=decisions,

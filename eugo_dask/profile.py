@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -223,8 +224,8 @@ class Profile:
 # Validation
 # ---------------------------------------------------------------------------------------------
 def _check_number(where: str, value: Any, kind: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ProfileError(f"{_CONFIG_KEY}: {where} must be a number; got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ProfileError(f"{_CONFIG_KEY}: {where} must be a finite number; got {value!r}")
     if kind.startswith("positive") and value <= 0:
         raise ProfileError(f"{_CONFIG_KEY}: {where} must be a positive number; got {value!r}")
     if kind == "non-negative" and value < 0:

@@ -51,6 +51,7 @@ from eugo_dask.devices import (
     DeviceSettings,
     _stats,
     cupy_device_count,
+    cupy_probe_passed,
     cupy_unusable_reason,
     import_cupy,
     install_device_accounting,
@@ -119,9 +120,18 @@ def get_device(name: str) -> Device | None:
 
 
 def device_started(name: str) -> bool:
-    """Whether this process has started the device ``name`` (made and probed it: CUDA context,
-    module load and the probe's kernel compile are paid)."""
+    """Whether tasks have run on the device ``name`` in this process (it is made when the first
+    one asks for it)."""
     return any(key[0] == name for key in list(_devices))
+
+
+def device_first_use_paid(name: str) -> bool:
+    """Whether this process has paid the device's first use (CUDA context, module load, a
+    kernel compile): tasks ran on it, or, for CuPy, the probe that resolving ``eugo.device``
+    runs has run."""
+    if device_started(name):
+        return True
+    return name == "cupy" and cupy_probe_passed()
 
 
 def release_idle_devices() -> None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import dask
 import dask.array as da
 import numpy as np
 import pytest
 
 import eugo_dask
-from eugo_dask import optimization, runtime
+from eugo_dask import devices, optimization, runtime
 from eugo_dask.config import read_settings
+from eugo_dask.plan import ColdStart
 from eugo_dask.profile import load_profile
 from eugo_dask.report import format_seconds
 
@@ -143,7 +146,7 @@ def test_io_aggregate_creation_and_unknown_never_offload(emulated):
     assert "aggregation of partial results stays on the CPU" in reasons["aggregate"]
 
 
-# --- a device not started in this process yet (first-use costs, measured by calibrate) --------
+# --- a device not started yet (first-use costs, measured by calibrate) ---------------------------
 def cold_profile(first_use_s, thread_setup_s=0.0):
     return {"eugo.profile": {**H200_SERVER, "gpu": {"first_use_s": first_use_s,
                                                     "thread_setup_s": thread_setup_s}}}
@@ -151,47 +154,97 @@ def cold_profile(first_use_s, thread_setup_s=0.0):
 
 @pytest.fixture
 def cold_device(h200_server, monkeypatch):
-    """No device started in this process (as in a fresh one)."""
+    """No device started in this process (as in a fresh one), the threaded scheduler."""
     monkeypatch.setattr(runtime, "_devices", {})
     assert not runtime.device_started("emulated")
+    with dask.config.set(scheduler="threads"):
+        yield
+
+
+def gpu_work(plan):
+    """(CPU seconds of the tasks placed on the GPU, what placing them there costs)."""
+    on_cpu = sum(d.cpu_s for d in plan if d.device == "gpu")
+    return on_cpu, on_cpu - (plan.totals["all_cpu"] - plan.totals["as_chosen"])
 
 
 def test_a_cold_device_is_started_only_where_the_graph_repays_it(cold_device):
     build, _ = SEED_ROWS["matmul 8192²"]
     warm = eugo_dask.explain(build())
     assert main_decision(warm).device == "gpu"
-    saved = warm.totals["all_cpu"] - warm.totals["as_chosen"]
-    with dask.config.set(cold_profile(first_use_s=saved * 0.5)):
+    on_cpu, on_gpu = gpu_work(warm)
+    # the GPU work, the start added, must still beat the CPU by min-speedup (2)
+    repaid = on_cpu / 2 - on_gpu
+    assert repaid > 0
+    with dask.config.set(cold_profile(first_use_s=repaid * 0.9)):
         assert main_decision(eugo_dask.explain(build())).device == "gpu"
-    with dask.config.set(cold_profile(first_use_s=saved * 1.5)):
+    with dask.config.set(cold_profile(first_use_s=repaid * 1.1)):
         plan = eugo_dask.explain(build())
     assert [d.device for d in plan] == ["cpu"] * len(plan)
     assert plan.totals["as_chosen"] == pytest.approx(plan.totals["all_cpu"])
     reason = main_decision(plan).reason
-    assert "has not run in this process yet" in reason
-    assert format_seconds(saved * 1.5) in reason and format_seconds(saved) in reason
+    assert "the device is not started" in reason
+    assert f"with its start ({format_seconds(repaid * 1.1)})" in reason
+    assert f"against {format_seconds(on_cpu)} on the CPU" in reason
+
+
+def test_tasks_that_would_stay_on_the_cpu_anyway_keep_their_reason(cold_device):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    x = build().sum() + gauss_sine(host((10_000,))).sum()
+    warm = eugo_dask.explain(x)
+    with dask.config.set(cold_profile(first_use_s=1e6)):
+        plan = eugo_dask.explain(x)
+    assert {d.device for d in plan} == {"cpu"}
+    stayed = [d.key for d in warm if d.device == "cpu" and d.gpu_s is not None]
+    moved = [d.key for d in warm if d.device == "gpu"]
+    assert stayed and moved
+    assert all(plan[k].reason == warm[k].reason for k in stayed)
+    assert all("the device is not started" in plan[k].reason for k in moved)
 
 
 def test_each_thread_that_would_run_device_work_pays_its_setup(cold_device):
     a = host((8192, 8192), chunks=(2048, 8192), name="a")  # 4 row blocks: 4 GPU matmuls
     x = a @ host((8192, 8192), name="b")
     warm = eugo_dask.explain(x)
-    gpu_tasks = sum(d.device == "gpu" for d in warm)
-    assert gpu_tasks >= 4
-    threads = load_profile(H200_SERVER).cpu.threads
-    with dask.config.set(cold_profile(first_use_s=1.0, thread_setup_s=100.0)):
-        plan = eugo_dask.explain(x)
-    assert {d.device for d in plan} == {"cpu"}
-    startup = 1.0 + 100.0 * min(gpu_tasks, threads)
-    assert f"starting it ({format_seconds(startup)})" in main_decision(plan).reason
+    assert sum(d.device == "gpu" for d in warm) == 4
+    for config, threads in [({"num_workers": 3}, 3), ({"num_workers": 8}, 4),
+                            ({"scheduler": "sync"}, 1)]:
+        with dask.config.set({**cold_profile(first_use_s=1.0, thread_setup_s=100.0), **config}):
+            plan = eugo_dask.explain(x)
+        assert {d.device for d in plan} == {"cpu"}
+        startup = 1.0 + 100.0 * threads
+        assert f"with its start ({format_seconds(startup)})" in main_decision(plan).reason, config
 
 
 def test_a_started_device_pays_no_first_use(cold_device):
     build, _ = SEED_ROWS["matmul 8192²"]
-    runtime.get_device("emulated")  # started by an earlier graph of this process
+    runtime.get_device("emulated")  # tasks of an earlier graph ran here
     assert runtime.device_started("emulated")
-    with dask.config.set(cold_profile(first_use_s=1e6)):
+    with dask.config.set(cold_profile(first_use_s=1e6, thread_setup_s=1e6)):
         assert main_decision(eugo_dask.explain(build())).device == "gpu"
+
+
+def test_cupys_probe_pays_the_first_use_not_the_threads(cold_device, monkeypatch):
+    """Resolving eugo.device to CuPy probes device 0 (context, a kernel compile): the first
+    use is paid then; the threads that will run tasks still set up."""
+    probe = functools.lru_cache(maxsize=1)(lambda: None)  # a usable device, not probed yet
+    monkeypatch.setattr(devices, "cupy_unusable_reason", probe)
+    assert not runtime.device_first_use_paid("cupy")
+    profile = load_profile({**H200_SERVER, "gpu": {"first_use_s": 5.0, "thread_setup_s": 1.0}})
+    with dask.config.set(num_workers=2):
+        assert optimization._cold_start("cupy", profile) == ColdStart(5.0, 1.0, 2)
+        probe()
+        assert runtime.device_first_use_paid("cupy")
+        assert optimization._cold_start("cupy", profile) == ColdStart(0.0, 1.0, 2)
+
+
+def test_each_process_of_the_processes_scheduler_starts_its_own_device(cold_device):
+    build, _ = SEED_ROWS["matmul 8192²"]
+    runtime.get_device("emulated")  # started here: the pool's processes are not
+    with dask.config.set({**cold_profile(first_use_s=1e6, thread_setup_s=1.0),
+                          "scheduler": "processes", "num_workers": 2}):
+        plan = eugo_dask.explain(build())
+    assert {d.device for d in plan} == {"cpu"}
+    assert f"with its start ({format_seconds(1e6 + 1.0)})" in main_decision(plan).reason
 
 
 def test_min_speedup_zero_starts_a_cold_device_regardless(cold_device):
@@ -200,8 +253,25 @@ def test_min_speedup_zero_starts_a_cold_device_regardless(cold_device):
     assert [d.device for d in plan] == ["gpu"]
 
 
+def test_below_one_min_speedup_is_a_margin_for_the_start_too(cold_device):
+    """min-speedup 0.05 accepts GPU work 20x slower than the CPU; a start of 0 s changes
+    nothing, a start that makes it slower still keeps the graph on the CPU."""
+    x = gauss_sine(host((10_000,)))
+    with dask.config.set({"eugo.min-speedup": 0.05}):
+        warm = eugo_dask.explain(x)
+        on_cpu, on_gpu = gpu_work(warm)
+        assert [d.device for d in warm] == ["gpu"] and on_cpu < on_gpu
+        with dask.config.set(cold_profile(first_use_s=0.0)):
+            assert [d.device for d in eugo_dask.explain(x)] == ["gpu"]
+        with dask.config.set(cold_profile(first_use_s=on_cpu / 0.05)):
+            assert [d.device for d in eugo_dask.explain(x)] == ["cpu"]
+
+
 def test_graphs_for_a_cluster_pay_no_first_use(cold_device):
-    """Workers start their device once in their life: a submitted graph is not charged it."""
+    """Workers start their device once in their life: a graph submitted to them is not
+    charged it, nor one explained while a distributed client is the default scheduler."""
+    from distributed import Client
+
     build, _ = SEED_ROWS["matmul 8192²"]
     with dask.config.set(cold_profile(first_use_s=1e6)):
         settings = read_settings().resolved()
@@ -212,3 +282,7 @@ def test_graphs_for_a_cluster_pay_no_first_use(cold_device):
             assert optimization._cold_start("emulated", profile) is None
         finally:
             optimization._submitted.reset(token)
+        with dask.config.set(scheduler=None), Client(
+                processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
+                timeout="60s"):
+            assert main_decision(eugo_dask.explain(build())).device == "gpu"

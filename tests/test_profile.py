@@ -77,7 +77,10 @@ def test_edited_profile_file_is_reloaded(tmp_path):
         ({"base": "h200", "wings": 2}, r"unknown field\(s\) \['wings'\]"),
         ({"gpu": {}}, r"'gpu.name' is missing"),
         ({"base": "h200", "cpu": {"threads": 4}}, r"'cpu.name' is missing"),
-        ({"base": "h200", "link": {"latency_s": "fast"}}, r"link.latency_s must be a number; got 'fast'"),
+        ({"base": "h200", "link": {"latency_s": "fast"}}, r"link.latency_s must be a finite number; got 'fast'"),
+        ({"base": "h200", "gpu": {"first_use_s": float("inf")}}, r"gpu.first_use_s must be a finite number; got inf"),
+        ({"base": "h200", "gpu": {"thread_setup_s": -1}}, r"gpu.thread_setup_s must be zero or more; got -1"),
+        ({"base": "h200", "gpu": {"flops_per_s": {"float32": float("nan")}}}, r"gpu.flops_per_s.float32 must be a finite number; got nan"),
         (42, r"eugo.profile must be a preset name"),
     ],
 )
