@@ -19,10 +19,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef, _execute_subgraph
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
 
 from eugo_dask.cost_model import Estimate, Op, Step, estimate_task
 from eugo_dask.graph import (
+    FUSED_DEPS,
+    FUSED_FUNC,
+    FUSED_INNER,
+    FUSED_OUTKEY,
     ArraySpec,
     ChunkInfo,
     Fused,
@@ -351,11 +355,12 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             else:
                 reads[k] = deps
             args = node.args
-            if func is _execute_subgraph:  # Fused: (inner, outkey, inkeys, *deps)
-                outkey = args[1]
+            if func is FUSED_FUNC:
+                outkey = args[FUSED_OUTKEY]
                 same: tuple[Any, ...] | None = (
-                    id(args[0]), outkey[0] if type(outkey) is tuple else key_name(k),
-                    *[id(values.get(d.key)) if type(d) is TaskRef else id(d) for d in args[3:]])
+                    id(args[FUSED_INNER]), outkey[0] if type(outkey) is tuple else key_name(k),
+                    *[id(values.get(d.key)) if type(d) is TaskRef else id(d)
+                      for d in args[FUSED_DEPS:]])
             elif node.kwargs:
                 same = None
             else:

@@ -200,6 +200,13 @@ _new_object = object.__new__
 _NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
 
 
+#: For the pass's loops over every task, which read a fused task's arguments in place rather
+#: than make a :class:`Fused` per task: its function, and where in ``Task.args`` its inner
+#: graph, output key, input names and first dependency sit (the layout ``Fused`` names).
+FUSED_FUNC = _execute_subgraph
+FUSED_INNER, FUSED_OUTKEY, FUSED_INKEYS, FUSED_DEPS = 0, 1, 2, 3
+
+
 def is_fused(node: GraphNode) -> bool:
     return type(node) is Task and node.func is _execute_subgraph
 
@@ -211,7 +218,8 @@ def fused(node: GraphNode) -> Fused | None:
         return None
     args = node.args
     # tuple.__new__ directly: a NamedTuple's own __new__ is a Python function
-    return _new_tuple(Fused, (args[0], args[1], args[2], args[3:]))
+    return _new_tuple(Fused, (args[FUSED_INNER], args[FUSED_OUTKEY], args[FUSED_INKEYS],
+                              args[FUSED_DEPS:]))
 
 
 _new_tuple = tuple.__new__

@@ -23,11 +23,20 @@ import uuid
 from typing import Any, Final, Literal, NamedTuple
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef, _execute_subgraph
+from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
-from eugo_dask.graph import Graph, Key, alias_targets, fused, new_task
+from eugo_dask.graph import (
+    FUSED_DEPS,
+    FUSED_FUNC,
+    FUSED_INNER,
+    Graph,
+    Key,
+    alias_targets,
+    fused,
+    new_task,
+)
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
@@ -324,17 +333,17 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         node = dsk[key]
         assert type(node) is Task, node
         func, args = node.func, node.args
-        refs = (None if func is not _execute_subgraph or node.kwargs
-                else [on_device[d.key] for d in args[3:] if type(d) is TaskRef])
-        if refs is not None and len(refs) == len(args) - 3:
-            # the common case, a fused task reading plain references: (inner, outkey, inkeys,
-            # *deps), its inner graph shared by every chunk of a blockwise layer
-            inner = args[0]
+        refs = (None if func is not FUSED_FUNC or node.kwargs
+                else [on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef])
+        if refs is not None and len(refs) == len(args) - FUSED_DEPS:
+            # the common case, a fused task reading plain references, its inner graph shared
+            # by every chunk of a blockwise layer
+            inner = args[FUSED_INNER]
             inner_on = inner_on_device.get(id(inner))
             if inner_on is None:
                 inner_on = inner_on_device[id(inner)] = sources_on_device(
                     inner, is_inner_source, device)
-            args = (inner_on, args[1], args[2], *refs)
+            args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
             reads = frozenset([r.key for r in refs])
         else:
