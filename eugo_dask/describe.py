@@ -303,8 +303,8 @@ def _same_inputs(key: Key, func: Any, args: tuple[Any, ...], deps: frozenset[Key
     same: list[Any] = [id(func), key_name(key)]
     nested = False
     for a in args:
-        if type(a) is TaskRef:
-            same.append(id(values.get(a.key)))
+        if type(a) is TaskRef:  # (a key from outside the graph is an unknown array)
+            same.append(id(values.get(a.key, UNKNOWN_ARRAY)))
         elif type(a) is Task:  # (the shape rules do not follow it)
             same.append(_NESTED)
             nested = True
@@ -312,7 +312,7 @@ def _same_inputs(key: Key, func: Any, args: tuple[Any, ...], deps: frozenset[Key
             same.append(id(a))
     if nested:
         same.append(id(chunks.spec(key)))
-        same.extend([id(values.get(d)) for d in deps])
+        same.extend([id(values.get(d, UNKNOWN_ARRAY)) for d in deps])
         same.append(_WHOLE)
     return tuple(same)
 
@@ -359,7 +359,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 outkey = args[FUSED_OUTKEY]
                 same: tuple[Any, ...] | None = (
                     id(args[FUSED_INNER]), outkey[0] if type(outkey) is tuple else key_name(k),
-                    *[id(values.get(d.key)) if type(d) is TaskRef else id(d)
+                    *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef else id(d)
                       for d in args[FUSED_DEPS:]])
             elif node.kwargs:
                 same = None

@@ -320,9 +320,13 @@ def _gc_paused() -> Iterator[None]:
     (8% of the pass at 90k tasks): they are the new graph's, which lives as long as the
     computation does. They join the oldest generation instead (``gc.freeze`` then
     ``gc.unfreeze``: two list moves), as if they had survived the young collections, and are
-    looked at by the next full collection. Not where the process froze objects of its own
-    (``gc.get_freeze_count()``): unfreezing would hand those back to the collector."""
+    looked at by the next full collection. The young generations are collected before the pass
+    (milliseconds), so that only its objects move, not garbage made before it. Not where the
+    process froze objects of its own (``gc.get_freeze_count()``): unfreezing would hand those
+    back to the collector."""
     enabled = gc.isenabled()
+    if enabled and not gc.get_freeze_count():
+        gc.collect(1)  # the young garbage of before the pass is not the graph's: not moved
     gc.disable()
     try:
         yield

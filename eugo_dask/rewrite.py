@@ -333,6 +333,10 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         node = dsk[key]
         assert type(node) is Task, node
         func, args = node.func, node.args
+        # the device copies of what the task reads, made (where missing) in the order of its
+        # dependencies: the new graph's order and the tasks' dependency sets, which dask.order
+        # breaks ties by, are those of the general path below
+        reads = frozenset([on_device[d].key for d in node.dependencies])
         refs = (None if func is not FUSED_FUNC or node.kwargs
                 else [on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef])
         if refs is not None and len(refs) == len(args) - FUSED_DEPS:
@@ -345,7 +349,6 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
                     inner, is_inner_source, device)
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
-            reads = frozenset([r.key for r in refs])
         else:
             subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
             rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
@@ -358,7 +361,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
                 if id(inner) not in inner_on_device:
                     inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
                 rewritten[0] = inner_on_device[id(inner)]
-            args, reads = tuple(rewritten), frozenset(subs.values())
+            args = tuple(rewritten)
         name = key[0] if type(key) is tuple else key
         call = layer_calls.get(name)
         if call is None or call[0].func is not func:

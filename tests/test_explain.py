@@ -8,8 +8,9 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask._task_spec import DataNode, Task, TaskRef
 
-from eugo_dask import Decision, explain
+from eugo_dask import Decision, eugo, explain
 
 
 def collection():
@@ -92,3 +93,16 @@ def test_cli_writes_html(tmp_path):
 def test_explain_of_something_else_says_what_it_takes(thing):
     with pytest.raises(TypeError, match=r"explain\(\) takes a Dask collection .*; got "):
         explain(thing)
+
+
+@pytest.mark.parametrize("outside_first", [True, False])
+def test_a_key_from_outside_the_graph_is_not_a_key_holding_none(emulated, outside_first):
+    """Chunks of a layer share a description when they read the same things: a key the graph
+    does not hold (an unknown array) and a key holding None (a literal) are not the same."""
+    tasks = [Task(("f", 1), np.cumsum, TaskRef(("a", 0)), TaskRef("outside")),
+             Task(("f", 0), np.cumsum, TaskRef(("a", 0)), TaskRef("n"))]
+    dsk = {("a", 0): DataNode(("a", 0), np.ones(100_000)), "n": DataNode("n", None),
+           **{t.key: t for t in (tasks if outside_first else tasks[::-1])}}
+    out = dict(eugo(dsk, [("f", 0), ("f", 1)]))
+    assert not any("outside" in str(k) and "eugo" in str(k) for k in out)  # no copy of it
+    assert out[("f", 1)] is dsk[("f", 1)]  # on the CPU: its input's size is unknown

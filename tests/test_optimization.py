@@ -197,3 +197,29 @@ def test_the_pass_leaves_the_collector_as_it_found_it(emulated):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_garbage_made_before_the_pass_stays_young(emulated):
+    """The pass moves the objects it made to the oldest generation; garbage made before it is
+    collected first, not moved where only a full collection would find it."""
+    import weakref
+
+    class Holder:
+        pass
+
+    x = _small_matmul()
+    graph, keys = x.__dask_graph__(), x.__dask_keys__()
+    eugo(graph, keys)
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection: only the pass's own
+    try:
+        cycle = Holder()
+        cycle.self = cycle
+        alive = weakref.ref(cycle)
+        del cycle
+        eugo(graph, keys)
+        gc.collect(1)  # a young collection
+        assert alive() is None
+    finally:
+        gc.set_threshold(*thresholds)
