@@ -293,17 +293,29 @@ class GraphDescription:
 _NESTED, _WHOLE = object(), object()  # markers in the keys _same_inputs makes
 
 
-def _same_inputs(key: Key, func: Any, args: tuple[Any, ...], deps: frozenset[Key],
-                 values: Mapping[Key, Value], chunks: ChunkInfo) -> tuple[Any, ...]:
-    """The identity key under which ``describe_graph`` shares an unfused task's description
-    with the chunks of its layer. A task nesting another one (a tree reduction's
-    ``_chunk_sum(_identity_cast(Alias(k1), Alias(k2)))``) is described from its inputs and its
-    own chunk's annotation, not from its arguments alone: those go into the key too, which then
-    holds everything the description depends on (it ends with ``_WHOLE``)."""
-    same: list[Any] = [id(func), key_name(key)]
+def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value],
+                 chunks: ChunkInfo) -> tuple[Any, ...] | None:
+    """The identity key under which ``describe_graph`` shares a task's description with the
+    chunks of its layer: its function (a fused task's inner graph) and layer, and the very
+    objects its arguments are (a dependency's: what ``values`` holds for it, a key from outside
+    the graph being an unknown array). None for a task with keyword arguments.
+
+    A task nesting another one (a tree reduction's ``_chunk_sum(_identity_cast(Alias(k1),
+    Alias(k2)))``) is described from its inputs and its own chunk's annotation, not from its
+    arguments alone: those go into the key too, which then holds everything the description
+    depends on (it ends with ``_WHOLE``)."""
+    args = node.args
+    if node.func is FUSED_FUNC:
+        outkey = args[FUSED_OUTKEY]
+        return (id(args[FUSED_INNER]), outkey[0] if type(outkey) is tuple else key_name(key),
+                *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef else id(d)
+                  for d in args[FUSED_DEPS:]])
+    if node.kwargs:
+        return None
+    same: list[Any] = [id(node.func), key_name(key)]
     nested = False
     for a in args:
-        if type(a) is TaskRef:  # (a key from outside the graph is an unknown array)
+        if type(a) is TaskRef:
             same.append(id(values.get(a.key, UNKNOWN_ARRAY)))
         elif type(a) is Task:  # (the shape rules do not follow it)
             same.append(_NESTED)
@@ -354,17 +366,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 reads[k] = frozenset([resolve(d, d) for d in deps])
             else:
                 reads[k] = deps
-            args = node.args
-            if func is FUSED_FUNC:
-                outkey = args[FUSED_OUTKEY]
-                same: tuple[Any, ...] | None = (
-                    id(args[FUSED_INNER]), outkey[0] if type(outkey) is tuple else key_name(k),
-                    *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef else id(d)
-                      for d in args[FUSED_DEPS:]])
-            elif node.kwargs:
-                same = None
-            else:
-                same = _same_inputs(k, func, args, deps, values, chunks)
+            same = _same_inputs(k, node, deps, values, chunks)
             answer = shared.get(same) if same is not None else None
             if answer is None:
                 estimate, spec, handed_on, cacheable = describer.describe(k, node, deps, values)

@@ -364,8 +364,8 @@ def place(
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
         as_chosen += chosen
-        decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,  # lanes,
-                                lanes, d2h_in, min_speedup,  # d2h_in_s, min_speedup, memory_limit
+        decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,
+                                lanes, d2h_in, min_speedup,
                                 device_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
                                 else None)

@@ -334,11 +334,12 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
         assert type(node) is Task, node
         func, args = node.func, node.args
         # the device copies of what the task reads, made (where missing) in the order of its
-        # dependencies: the new graph's order and the tasks' dependency sets, which dask.order
-        # breaks ties by, are those of the general path below
-        reads = frozenset([on_device[d].key for d in node.dependencies])
+        # dependencies: that order makes the new graph's order and its dependency sets, which
+        # dask.order breaks ties by
+        copies = {d: on_device[d] for d in node.dependencies}
+        reads = frozenset([ref.key for ref in copies.values()])
         refs = (None if func is not FUSED_FUNC or node.kwargs
-                else [on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef])
+                else [copies[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef])
         if refs is not None and len(refs) == len(args) - FUSED_DEPS:
             # the common case, a fused task reading plain references, its inner graph shared
             # by every chunk of a blockwise layer
@@ -350,8 +351,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
         else:
-            subs: dict[Key, Key] = {d: on_device[d].key for d in node.dependencies}
-            rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
+            subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
+            rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
                          else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
                          for a in args]
             kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
