@@ -73,13 +73,71 @@ def _literal(value: Any) -> Value:
 
 class _Structure:
     """A fused task's inner graph in execution order, shared by every chunk of a
-    blockwise-fused layer (they share one inner graph)."""
+    blockwise-fused layer (they share one inner graph), and its shape (see :func:`_shape`)."""
 
-    __slots__ = ("nodes", "outkey")
+    __slots__ = ("nodes", "outkey", "shape")
 
     def __init__(self, parts: Fused) -> None:
         self.outkey: Key = parts.outkey
         self.nodes: list[tuple[Key, GraphNode]] = [(n.key, n) for n in execution_order(parts.inner)]
+        self.shape = _shape(self.nodes, parts.inkeys, parts.outkey)
+
+
+class _NoShape(Exception):
+    pass
+
+
+def _shape(nodes: list[tuple[Key, GraphNode]], inkeys: tuple[Key, ...], outkey: Key
+           ) -> tuple[Any, ...] | None:
+    """Everything following a fused task's inner graph (:func:`_follow`) depends on besides
+    its inputs, with the graph's own names replaced by positions: its nodes in execution order,
+    each one's function, literals and references. Linear fusion gives every chunk an inner graph
+    of its own (``sum(_identity_cast(Alias(k)))`` per chunk): chunks whose graphs have one shape
+    are followed once. None where a node holds something it cannot write down."""
+    names: dict[Key, Any] = {k: ("in", i) for i, k in enumerate(inkeys)}
+    shape = []
+    try:
+        for position, (key, node) in enumerate(nodes):
+            if isinstance(node, DataNode):
+                shape.append(("data", *_literal_shape(node.value)))
+            elif type(node) is Task:
+                shape.append(_task_shape(node, names))
+            elif isinstance(node, Alias):
+                shape.append(("alias", names[node.target]))
+            else:
+                shape.append(("other", type(node)))
+            names[key] = position
+        return (tuple(shape), names[outkey])
+    except (_NoShape, KeyError):  # (KeyError: a reference to a name the graph does not hold)
+        return None
+
+
+def _task_shape(node: Task, names: dict[Key, Any]) -> tuple[Any, ...]:
+    return (id(node.func), tuple([_arg_shape(a, names) for a in node.args]),
+            tuple([(k, _arg_shape(v, names)) for k, v in node.kwargs.items()]))
+
+
+def _arg_shape(arg: Any, names: dict[Key, Any]) -> Any:
+    """What :func:`_resolve` makes of ``arg``, positions for names."""
+    if type(arg) is TaskRef:
+        return ("ref", names[arg.key])
+    if isinstance(arg, Alias):
+        return ("ref", names[arg.target])
+    if isinstance(arg, DataNode):
+        return ("data", *_literal_shape(arg.value))
+    if isinstance(arg, List):
+        return ("list", tuple([_arg_shape(a, names) for a in arg.args]))
+    if type(arg) is Task:  # nested (the shape rules do not follow it; its function counts)
+        return ("task", _task_shape(arg, names))
+    if isinstance(arg, GraphNode):
+        raise _NoShape
+    if isinstance(arg, dict):  # a nested fused task's inner graph: shared, or not the same
+        return ("id", id(arg))
+    return ("value", *_literal_shape(arg))
+
+
+def _literal_shape(value: Any) -> tuple[Any, Any]:
+    return type(value), _freeze(_literal(value))
 
 
 def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
@@ -128,25 +186,36 @@ def _flat(values: list[Value]) -> list[Value]:
     return out
 
 
-_HASHABLE_AS_IS = (ArraySpec, int, float, str, bool, type(None))
+_HASHABLE_AS_IS = (ArraySpec, str, type(None))
+#: Random state a creation task draws from (a chunk's own seed): the chunk's shape, dtype and
+#: cost do not depend on it.
+_RANDOM_STATE = (np.random.SeedSequence, np.random.BitGenerator, np.random.Generator,
+                 np.random.RandomState)
 
 
 def _freeze(value: Any) -> Any:
     """A hashable stand-in for what a dependency holds (getter indexes are tuples of slices);
-    the common cases return at once: this runs for every dependency of every task."""
+    the common cases return at once: this runs for every dependency of every task.
+
+    Values that compare equal across types (``1 == 1.0 == True == np.float32(1)``) give
+    results of different dtypes (``x + 1`` against ``x + 1.0``): they keep their type."""
     if type(value) in _HASHABLE_AS_IS or value is UNKNOWN_ARRAY:
         return value
     if isinstance(value, slice):
-        return ("slice", value.start, value.stop, value.step)
+        return ("slice", _freeze(value.start), _freeze(value.stop), _freeze(value.step))
     if isinstance(value, tuple):
         return tuple(_freeze(v) for v in value)
     if isinstance(value, list):
         return ("list", *(_freeze(v) for v in value))
+    if isinstance(value, dict) and len(value) <= 8:  # keywords passed on as one argument
+        return ("dict", *((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, _RANDOM_STATE):
+        return ("random state", type(value))
     try:
         hash(value)
     except TypeError:
         return ("id", id(value))
-    return value
+    return (type(value), value)
 
 
 def _learned(estimate: Estimate, history: RuntimeHistory) -> Estimate:
@@ -173,6 +242,7 @@ class TaskDescriber:
                  history: RuntimeHistory | None = None) -> None:
         self.chunks, self.profile, self.history = chunks, profile, history
         self._structures: dict[int, _Structure] = {}
+        self._shapes: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._followed: dict[tuple[Any, ...], tuple[tuple[Step, ...], tuple[ArraySpec, ...],
                                                      Value]] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
@@ -185,6 +255,10 @@ class TaskDescriber:
         if cached is None:
             cached = self._structures[id(parts.inner)] = _Structure(parts)
         return cached
+
+    def _shape_id(self, shape: tuple[Any, ...]) -> tuple[str, int]:
+        # one small key per shape: the follow key is looked up once per task
+        return self._shapes.setdefault(shape, ("shape", len(self._shapes)))
 
     def describe(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
                  ) -> tuple[Estimate, ArraySpec | None, Value, bool]:
@@ -199,10 +273,14 @@ class TaskDescriber:
         (the pass runs this for every task of graphs a million tasks large), and the lookup
         reads ``values`` directly rather than building a dict of the task's inputs first."""
         parts = fused(node)
+        structure = None
         if parts is not None:
             env_values = [values.get(d.key, UNKNOWN_ARRAY) if type(d) is TaskRef
                           else _resolve(d, values) for d in parts.deps]
-            follow_key: tuple[Any, ...] = (id(parts.inner), *map(_freeze, env_values))
+            structure = self._structure(parts)
+            follow_key: tuple[Any, ...] = (
+                id(parts.inner) if structure.shape is None else self._shape_id(structure.shape),
+                *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
         else:  # one function: its own arguments are all there is to follow
             follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
@@ -218,8 +296,7 @@ class TaskDescriber:
         if followed is None:
             steps: list[Step] = []
             embedded: list[ArraySpec] = []
-            if parts is not None:
-                structure = self._structure(parts)
+            if structure is not None:
                 env = dict(zip(parts.inkeys, env_values))
                 _follow(structure.nodes, env, steps, embedded)
                 value = env.get(structure.outkey)

@@ -106,3 +106,23 @@ def test_a_key_from_outside_the_graph_is_not_a_key_holding_none(emulated, outsid
     out = dict(eugo(dsk, [("f", 0), ("f", 1)]))
     assert not any("outside" in str(k) and "eugo" in str(k) for k in out)  # no copy of it
     assert out[("f", 1)] is dsk[("f", 1)]  # on the CPU: its input's size is unknown
+
+
+@pytest.mark.parametrize("literal", [1.0, np.float32(1), np.float64(1)])
+def test_literals_equal_across_types_are_not_the_same_input(emulated, literal):
+    """``x + 1`` and ``x + 1.0`` read equal literals of different types, with results of
+    different dtypes: neither takes the other's description, whichever comes first."""
+    from eugo_dask.describe import describe_graph
+    from eugo_dask.graph import ChunkInfo
+    from eugo_dask.optimization import _current_settings, _profile
+
+    x = np.ones(1000, dtype=np.int64)
+    dsk = {("x", 0): DataNode(("x", 0), x),
+           ("a", 0): Task(("a", 0), np.add, TaskRef(("x", 0)), 1),
+           ("b", 0): Task(("b", 0), np.add, TaskRef(("x", 0)), literal),
+           ("c", 0): Task(("c", 0), np.add, TaskRef(("x", 0)), True)}
+    description = describe_graph(dsk, ChunkInfo({}), _profile(_current_settings()))
+    for key, value in (("a", 1), ("b", literal), ("c", True)):
+        expected = np.add(x, value)
+        assert description.specs[(key, 0)] == (expected.shape, expected.dtype), key
+        assert description.estimates[(key, 0)].out_bytes == expected.nbytes, key

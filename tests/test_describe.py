@@ -1,0 +1,86 @@
+"""Describing a graph: chunks share the work of being described, never its answer."""
+
+from __future__ import annotations
+
+import warnings
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.core import PerformanceWarning
+from dask.array.optimization import optimize as dask_optimize
+
+from eugo_dask import describe as describe_module
+from eugo_dask.describe import describe_graph
+from eugo_dask.graph import ChunkInfo, task_spec_dict
+from eugo_dask.optimization import _current_settings, _profile
+from eugo_dask.unfuse import split_mixed_tasks
+
+
+def _matmul_tree():
+    # Dask's linear fusion gives each chunk of the contraction's tree reduction an inner
+    # graph of its own; random chunks each draw from a seed of their own
+    z = da.random.default_rng(0).random((300, 300), chunks=(20, 30))
+    return z @ z.T
+
+
+def _pipeline():
+    z = da.random.default_rng(1).random((96, 96), chunks=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        return (np.exp(z @ z.T) + 1).sum(axis=0)
+
+
+def _two_trees():
+    # two tree reductions of one shape but different functions, fused chunk by chunk (20
+    # blocks by 4: a level of single-input partials, fused with the level below)
+    z = da.random.default_rng(3).random((400, 300), chunks=(20, 30))
+    return z.sum(axis=0, split_every=4) + z.max(axis=0, split_every=4)
+
+
+def _legacy_random_with_edges():
+    x = da.random.RandomState(2).normal(size=(100, 70), chunks=(30, 20)).astype("f4")
+    return x[::2].std(axis=1) + da.ones(50, chunks=7, dtype="i2")
+
+
+def _described(collection):
+    graph, keys = collection.__dask_graph__(), collection.__dask_keys__()
+    chunks = ChunkInfo.from_graph(graph)
+    dsk = split_mixed_tasks(task_spec_dict(dask_optimize(graph, keys)), chunks)
+    follows = 0
+    follow = describe_module._follow
+
+    def counting(*args):
+        nonlocal follows
+        follows += 1
+        return follow(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(describe_module, "_follow", counting)
+        description = describe_graph(dsk, chunks, _profile(_current_settings()))
+    return description, follows
+
+
+@pytest.mark.parametrize(("build", "fewer"), [(_matmul_tree, 4), (_pipeline, 4),
+                                             (_two_trees, 2), (_legacy_random_with_edges, 1)])
+def test_chunks_share_the_work_of_their_description_not_its_answer(h200_server, build, fewer,
+                                                                   monkeypatch):
+    shared, shared_follows = _described(build())
+    # each chunk on its own: no shapes of fused graphs, seeds told apart
+    monkeypatch.setattr(describe_module, "_shape", lambda *args: None)
+    monkeypatch.setattr(describe_module, "_RANDOM_STATE", ())
+    alone, alone_follows = _described(build())
+    assert shared.order == alone.order
+    assert shared.specs == alone.specs
+    assert shared.estimates == alone.estimates
+    assert shared.inputs == alone.inputs
+    assert shared_follows * fewer <= alone_follows, (shared_follows, alone_follows)
+
+
+def test_fused_graphs_of_one_shape_are_followed_once(h200_server):
+    description, follows = _described(_matmul_tree())
+    tree_tasks = [k for k in description.estimates if "partial" in str(k[0])]
+    assert len(tree_tasks) >= 100  # (one inner graph each)
+    # the layers' distinct chunk shapes (15 x 10 blocks, two shapes of chunk) bound the work
+    assert follows <= 16, follows
