@@ -26,7 +26,7 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import dask
@@ -128,11 +128,12 @@ def _tell_scheduler(scheduler: Any, warning: str, *, client: bool) -> None:
             "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
 
 
-def _may_be_ours(key: Key) -> bool:
-    # eugo's keys (and names Dask's fusion makes from them) carry these words
-    name = key[0] if type(key) is tuple else key
-    return isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name
-                                      or "eugo-tohost" in name)
+def _may_be_ours(keys: Iterable[Key]) -> bool:
+    """Whether any of ``keys`` may be one eugo wrote: eugo's keys (and names Dask's fusion
+    makes from them) carry these words. Each layer's name is looked at once."""
+    names = {key[0] if type(key) is tuple else key for key in keys}
+    return any(isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name
+                                          or "eugo-tohost" in name) for name in names)
 
 
 def _device_memory_bytes(settings: Settings, device: str, profile_memory: float) -> float:
@@ -282,7 +283,7 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         if chunk_info is not None:
             chunks = chunk_info.merge(chunks)
         graph = task_spec_dict(dsk)
-        if any(_may_be_ours(k) for k in graph):
+        if _may_be_ours(graph):
             # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
             # placement, restore the annotations Dask's fusion dropped.
             return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
@@ -358,7 +359,7 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: 
     how = Rewrite(settings.device, settings.resource, _token(settings, profile),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {})
-    rewritten = rewrite_graph(graph, plan, described.description.order, original,
+    rewritten = rewrite_graph(graph, plan, described.description, original,
                               flatten_keys(keys), how)
     if settings.learn:
         _expect_timings(plan, settings, rewritten.executed)
@@ -378,7 +379,7 @@ def run_optimizations(
 ) -> Any:
     """Dask's array optimization, then each of ``passes`` in order."""
     chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
-    if chunk_info is not None and any(map(_may_be_ours, materialized_keys(dsk))):
+    if chunk_info is not None and _may_be_ours(materialized_keys(dsk)):
         # optimized with eugo before (dask.optimize, then compute): Dask's linear fusion would
         # glue eugo's copies to the reads and host tasks beside them; blockwise fusion of the
         # layers added since and culling still run

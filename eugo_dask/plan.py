@@ -336,7 +336,8 @@ def place(
                     d2h_in += d2h_s(n)
             elif d not in h2d_done:
                 h2d += h2d_s(n)
-        h2d += h2d_s(max(est.in_bytes - input_bytes, 0))  # chunks embedded in the task
+        if est.in_bytes > input_bytes:  # chunks embedded in the task
+            h2d += h2d_s(est.in_bytes - input_bytes)
         d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in

@@ -27,14 +27,15 @@ from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from dask.utils import key_split
 
+from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import (
     FUSED_DEPS,
     FUSED_FUNC,
     FUSED_INNER,
     Graph,
     Key,
-    alias_targets,
     fused,
+    new_alias,
     new_task,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
@@ -215,17 +216,20 @@ def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
         return node.substitute(subs)
     args: list[Any] = []
     for a in node.args:
-        if type(a) is Alias and a.key == a.target:  # a reference by alias: Alias(k) -> Alias(k')
-            args.append(Alias(subs[a.key], subs[a.key]))
+        if type(a) is Alias and a.key is a.target:  # a reference by alias: Alias(k) -> Alias(k')
+            args.append(new_alias(subs[a.key]))
         elif isinstance(a, TaskRef):  # a distributed Future is one too
             args.append(TaskRef(subs[a.key]))
         elif isinstance(a, GraphNode):
             return node.substitute(subs)
         else:
             args.append(a)
-    if any(isinstance(v, (GraphNode, TaskRef)) for v in node.kwargs.values()):
-        return node.substitute(subs)
-    return new_task(node.key, node.func, tuple(args), dict(node.kwargs),
+    kwargs = node.kwargs
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, (GraphNode, TaskRef)):
+                return node.substitute(subs)
+    return new_task(node.key, node.func, tuple(args), dict(kwargs),
                     frozenset([subs[d] for d in node.dependencies]), node.data_producer)
 
 
@@ -282,6 +286,7 @@ class _DeviceRefs(dict[Key, TaskRef]):
         super().__init__()
         self.plan, self.targets, self.out = plan, targets, out
         self.roles, self.origin, self.device, self.token = roles, origin, device, token
+        self.written: list[Key] = []  # the copy tasks' keys
 
     def __missing__(self, dep: Key) -> TaskRef:
         source: Key = self.targets.get(dep, dep)
@@ -296,22 +301,24 @@ class _DeviceRefs(dict[Key, TaskRef]):
                 self.out[key] = Task(key, to_device, TaskRef(source), self.device)
                 self.roles[key] = (TODEVICE_ROLE, None, None)
                 self.origin[key] = source
+                self.written.append(key)
                 ref = self[source] = TaskRef(key)
         self[dep] = ref
         return ref
 
 
-def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, outputs: set[Key],
-                  how: Rewrite) -> Rewritten:
-    """Apply ``plan`` to ``dsk`` (task-spec nodes, in dependency ``order``): see the module
-    docstring. ``original`` is the graph as Dask's optimization left it: a key whose task
-    differs from its task there (or reads a key that was renamed) gets a new name, unless it is
-    one of the ``outputs``, so a key keeps one meaning whoever computes it."""
+def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, original: Graph,
+                  outputs: set[Key], how: Rewrite) -> Rewritten:
+    """Apply ``plan`` to ``dsk`` (task-spec nodes, as ``description`` found them: its
+    dependency order, its aliases' targets): see the module docstring. ``original`` is the
+    graph as Dask's optimization left it: a key whose task differs from its task there (or
+    reads a key that was renamed) gets a new name, unless it is one of the ``outputs``, so a key
+    keeps one meaning whoever computes it."""
     device, token = how.device, how.token
     out = dict(dsk)
-    gpu: set[Key] = set()  # the GPU tasks (filled in as the loop below meets them)
+    decisions = plan.decisions
     host_needed = plan.host_needed
-    targets = alias_targets(dsk)
+    order, targets = description.order, description.targets
     roles: dict[Key, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
@@ -324,25 +331,23 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
     # The loop runs once per task of graphs a million tasks large: what one task of a layer
     # works out (its DeviceCall, its device name, its fused inner graph on the device), every
     # task shares; the device task is made with the dependencies already known (new_task).
-    for key, decision in plan.decisions.items():
+    device_copy = on_device.__getitem__
+    for key, decision in decisions.items():
         if decision.device != GPU:
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
-        gpu.add(key)
         node = dsk[key]
         assert type(node) is Task, node
         func, args = node.func, node.args
-        # the device copies of what the task reads, made (where missing) in the order of its
-        # dependencies: that order makes the new graph's order and its dependency sets, which
-        # dask.order breaks ties by
-        copies = {d: on_device[d] for d in node.dependencies}
-        reads = frozenset([ref.key for ref in copies.values()])
-        refs = (None if func is not FUSED_FUNC or node.kwargs
-                else [copies[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef])
+        # the device copies of what the task reads (made where missing, in the order it reads
+        # them), one per dependency
+        refs = ([device_copy(d.key) for d in args[FUSED_DEPS:] if type(d) is TaskRef]
+                if func is FUSED_FUNC and not node.kwargs else None)
         if refs is not None and len(refs) == len(args) - FUSED_DEPS:
             # the common case, a fused task reading plain references, its inner graph shared
             # by every chunk of a blockwise layer
+            reads = frozenset([ref.key for ref in refs])
             inner = args[FUSED_INNER]
             inner_on = inner_on_device.get(id(inner))
             if inner_on is None:
@@ -351,6 +356,9 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
         else:
+            deps = node.dependencies
+            copies = dict(zip(deps, map(device_copy, deps)))
+            reads = frozenset([ref.key for ref in copies.values()])
             subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
             rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
                          else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
@@ -388,13 +396,17 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
     for key, source in targets.items():
-        if source in gpu and source not in host_needed:
+        placed = decisions.get(source)
+        if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames = _renames(out, order, original, outputs, set(origin), token)
-    graph = _renamed_graph(out, renames)
+    renames, readers = _renames(out, order, original, outputs, origin, on_device.written,
+                                token)
+    graph = _renamed_graph(out, renames, readers)
     if renames:
-        roles = {renames.get(k, k): r for k, r in roles.items()}
+        for old, new in renames.items():
+            if old in roles:
+                roles[new] = roles.pop(old)
     carried = _carried(how.carried, renames, origin) if how.carried else {}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
@@ -406,31 +418,41 @@ def rewrite_graph(dsk: Graph, plan: Plan, order: list[Key], original: Graph, out
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
-             written: set[Key], token: str) -> dict[Key, Key]:
+             origin: dict[Key, Key], to_device_keys: list[Key], token: str
+             ) -> tuple[dict[Key, Key], list[Key]]:
     """New names for the original keys whose meaning changed: their task is not Dask's (split
     from a fused task, turned into an alias of a copy back) or reads a renamed key. Keys eugo
-    wrote carry the token already; outputs keep their names (their values are Dask's)."""
-    changed = set(written)
+    wrote carry the token already; outputs keep their names (their values are Dask's).
+
+    Also the keys whose task may read a renamed key, to be looked at again once the names are
+    known: the original keys whose meaning changed, and the copies to the device (which read
+    host results by their original keys). The device tasks and copies back read only keys eugo
+    wrote."""
+    changed = set(origin)
     renames: dict[Key, Key] = {}
+    readers: list[Key] = []
     for key in order:
         node = out.get(key)
         if node is None:
             continue  # moved to the device and consumed there
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
             changed.add(key)
+            readers.append(key)
             if key not in outputs:
                 renames[key] = renamed_key(key, token)
-    return renames
+    return renames, readers + to_device_keys
 
 
-def _renamed_graph(out: Graph, renames: dict[Key, Key]) -> dict[Key, GraphNode]:
+def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
+                   ) -> dict[Key, GraphNode]:
     if not renames:
         return dict(out)
-    # Few nodes change (the renamed ones and their readers) but every one is visited: one
-    # C-level test each to find those, then the new dict in one comprehension, in order.
     renamed = renames.keys()
-    changed = {key: _renamed_node(key, node, renames) for key, node in out.items()
-               if key in renames or not renamed.isdisjoint(node.dependencies)}
+    changed = {}
+    for key in readers:
+        node = out[key]
+        if key in renames or not renamed.isdisjoint(node.dependencies):
+            changed[key] = _renamed_node(key, node, renames)
     return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
 
 

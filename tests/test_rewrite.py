@@ -5,6 +5,8 @@ from __future__ import annotations
 import dask
 import dask.array as da
 import numpy as np
+import pytest
+from dask._task_spec import Alias
 from dask.array.utils import assert_eq
 from dask.utils import key_split
 
@@ -116,6 +118,54 @@ def test_rewritten_tasks_are_what_dasks_constructor_makes(emulated):
     result = x.compute(scheduler="sync")
     with dask.config.set(optimizations=[]):
         assert_eq(result, x.compute(scheduler="sync"))
+
+
+def test_rewritten_tree_reductions_are_what_dasks_constructors_make(emulated):
+    # a matmul's contraction sums its partial products in a task per chunk,
+    # _identity_cast(Alias(k1), Alias(k2), ...) nested in its arguments: moved to the device,
+    # the nested task and its aliases are rebuilt by the rewrite itself (graph.new_alias)
+    from dask._task_spec import Task
+
+    z = da.random.default_rng(0).random((64, 64), chunks=8)
+    x = (np.exp(z @ z.T) + 1).sum(axis=0)
+    with dask.config.set({"eugo.min-speedup": 0}):
+        graph = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+        result = x.compute(scheduler="sync")
+    nested = [(task, arg) for k, task in graph.items() if key_split(k).startswith("eugo-gpu")
+              for arg in task.args if type(arg) is Task]
+    assert len(nested) >= 8 * 8
+    for task, arg in nested:
+        aliases = [a for a in arg.args if isinstance(a, Alias)]
+        assert aliases
+        for alias in aliases:
+            assert alias == Alias(alias.key) and alias.dependencies == {alias.key}
+            assert alias.key in graph
+        assert arg == Task(arg.key, arg.func, *arg.args, **arg.kwargs)
+        assert arg.dependencies == {a.key for a in aliases} <= task.dependencies
+    with dask.config.set(optimizations=[]):
+        assert_eq(result, x.compute(scheduler="sync"))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_task_and_alias_constructors_match_dasks(monkeypatch, fast):
+    """graph.new_task and graph.new_alias fill in the attributes Dask 2026.8's constructors
+    set; under another Dask (other attributes) they call those constructors. Either way they
+    make what the constructors make."""
+    from dask._task_spec import Task, TaskRef
+
+    from eugo_dask import graph
+
+    monkeypatch.setattr(graph, "_TASK_SLOTS_MATCH", fast and graph._TASK_SLOTS_MATCH)
+    monkeypatch.setattr(graph, "_ALIAS_SLOTS_MATCH", fast and graph._ALIAS_SLOTS_MATCH)
+    alias = graph.new_alias(("x", 1))
+    assert type(alias) is Alias and alias == Alias(("x", 1))
+    assert alias.dependencies == {("x", 1)} and alias.target == ("x", 1)
+    args = (TaskRef(("y", 0)), alias)
+    task = graph.new_task(("z", 0), max, args, {}, frozenset([("y", 0), ("x", 1)]), True)
+    expected = Task(("z", 0), max, *args, _data_producer=True)
+    assert task == expected
+    assert task.dependencies == expected.dependencies and task.data_producer
+    assert task({("y", 0): 3, ("x", 1): 5}) == 5
 
 
 def test_idempotent_through_dask_optimize(emulated):
