@@ -95,7 +95,7 @@ def _shape(nodes: list[tuple[Key, GraphNode]], inkeys: tuple[Key, ...], outkey: 
     of its own (``sum(_identity_cast(Alias(k)))`` per chunk): chunks whose graphs have one shape
     are followed once. None where a node holds something it cannot write down."""
     names: dict[Key, Any] = {k: ("in", i) for i, k in enumerate(inkeys)}
-    shape = []
+    shape: list[tuple[Any, ...]] = []
     try:
         for position, (key, node) in enumerate(nodes):
             if isinstance(node, DataNode):
@@ -296,7 +296,7 @@ class TaskDescriber:
         if followed is None:
             steps: list[Step] = []
             embedded: list[ArraySpec] = []
-            if structure is not None:
+            if parts is not None and structure is not None:
                 env = dict(zip(parts.inkeys, env_values))
                 _follow(structure.nodes, env, steps, embedded)
                 value = env.get(structure.outkey)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 
-import dask
 import dask.array as da
 import numpy as np
 import pytest
