@@ -25,6 +25,7 @@ from eugo_dask.cost_model import Estimate, Op, Step, estimate_task
 from eugo_dask.graph import (
     FUSED_DEPS,
     FUSED_FUNC,
+    FUSED_INKEYS,
     FUSED_INNER,
     FUSED_OUTKEY,
     ArraySpec,
@@ -241,7 +242,7 @@ class TaskDescriber:
     def __init__(self, chunks: ChunkInfo, profile: Profile,
                  history: RuntimeHistory | None = None) -> None:
         self.chunks, self.profile, self.history = chunks, profile, history
-        self._structures: dict[int, _Structure] = {}
+        self._structures: dict[tuple[int, tuple[Key, ...], Key], _Structure] = {}
         self._shapes: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._followed: dict[tuple[Any, ...], tuple[tuple[Step, ...], tuple[ArraySpec, ...],
                                                      Value]] = {}
@@ -250,10 +251,13 @@ class TaskDescriber:
 
     def _structure(self, parts: Fused) -> _Structure:
         # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
-        # these objects alive while we plan, so ids are not reused.
-        cached = self._structures.get(id(parts.inner))
+        # these objects alive while we plan, so ids are not reused. (The names of its inputs
+        # and its output belong to the task: one inner graph could serve two tasks that name
+        # them differently.)
+        which = (id(parts.inner), parts.inkeys, parts.outkey)
+        cached = self._structures.get(which)
         if cached is None:
-            cached = self._structures[id(parts.inner)] = _Structure(parts)
+            cached = self._structures[which] = _Structure(parts)
         return cached
 
     def _shape_id(self, shape: tuple[Any, ...]) -> tuple[str, int]:
@@ -384,7 +388,8 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
     args = node.args
     if node.func is FUSED_FUNC:
         outkey = args[FUSED_OUTKEY]
-        return (id(args[FUSED_INNER]), outkey[0] if type(outkey) is tuple else key_name(key),
+        return (id(args[FUSED_INNER]), id(args[FUSED_INKEYS]),
+                outkey[0] if type(outkey) is tuple else key_name(key),
                 *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef else id(d)
                   for d in args[FUSED_DEPS:]])
     if node.kwargs:

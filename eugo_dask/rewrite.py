@@ -340,14 +340,16 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         node = dsk[key]
         assert type(node) is Task, node
         func, args = node.func, node.args
-        # the device copies of what the task reads (made where missing, in the order it reads
-        # them), one per dependency
-        refs = ([device_copy(d.key) for d in args[FUSED_DEPS:] if type(d) is TaskRef]
+        # the device copies of what the task reads, made (where missing) in the order of its
+        # dependencies: that order makes the new graph's order and its dependency sets, which
+        # dask.order breaks ties by
+        deps = node.dependencies
+        reads = frozenset([device_copy(d).key for d in deps])
+        refs = ([on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef]
                 if func is FUSED_FUNC and not node.kwargs else None)
         if refs is not None and len(refs) == len(args) - FUSED_DEPS:
             # the common case, a fused task reading plain references, its inner graph shared
             # by every chunk of a blockwise layer
-            reads = frozenset([ref.key for ref in refs])
             inner = args[FUSED_INNER]
             inner_on = inner_on_device.get(id(inner))
             if inner_on is None:
@@ -356,9 +358,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
         else:
-            deps = node.dependencies
-            copies = dict(zip(deps, map(device_copy, deps)))
-            reads = frozenset([ref.key for ref in copies.values()])
+            copies = {d: on_device[d] for d in deps}
             subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
             rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
                          else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a

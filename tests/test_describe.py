@@ -83,3 +83,24 @@ def test_fused_graphs_of_one_shape_are_followed_once(h200_server):
     assert len(tree_tasks) >= 100  # (one inner graph each)
     # the layers' distinct chunk shapes (15 x 10 blocks, two shapes of chunk) bound the work
     assert follows <= 16, follows
+
+
+@pytest.mark.parametrize("order", ["ABC", "ACB", "CAB", "BAC"])
+def test_one_inner_graph_serving_tasks_that_name_its_inputs_differently(h200_server, order):
+    """Tasks may share an inner graph (or have ones of one shape) but name its inputs in
+    another order: each is described from its own names, whichever comes first."""
+    from dask._task_spec import DataNode, Task, TaskRef, _execute_subgraph
+
+    def fused(key, inner, inkeys, *deps):
+        return Task(key, _execute_subgraph, inner, "o", inkeys, *deps)
+
+    p, q = np.ones((10, 20)), np.ones((20, 30))
+    inner = {"o": Task("o", np.matmul, TaskRef("a"), TaskRef("b"))}
+    same_shape = {"o": Task("o", np.matmul, TaskRef("a"), TaskRef("b"))}
+    tasks = {"A": fused("A", inner, ("a", "b"), TaskRef("p"), TaskRef("q")),  # p @ q
+             "B": fused("B", inner, ("b", "a"), TaskRef("q"), TaskRef("p")),  # p @ q
+             "C": fused("C", same_shape, ("a", "b"), TaskRef("q"), TaskRef("p"))}  # q @ p: fails
+    dsk = {"p": DataNode("p", p), "q": DataNode("q", q), **{k: tasks[k] for k in order}}
+    description = describe_graph(dsk, ChunkInfo({}), _profile(_current_settings()))
+    assert description.specs["A"] == description.specs["B"] == ((10, 30), np.dtype("f8"))
+    assert description.specs["C"] is None  # (its shapes do not multiply)

@@ -146,6 +146,43 @@ def test_rewritten_tree_reductions_are_what_dasks_constructors_make(emulated):
         assert_eq(result, x.compute(scheduler="sync"))
 
 
+def test_device_tasks_read_their_copies_in_their_tasks_dependency_order(emulated):
+    """A device task's dependency set is made in the order of the original task's dependencies
+    (a frozenset's iteration order follows its insertion order where hashes collide, and
+    dask.order breaks ties by it): the same order whichever path the rewrite takes."""
+    from dask.array.optimization import optimize as dask_optimize
+
+    from eugo_dask.describe import describe_graph
+    from eugo_dask.graph import ChunkInfo, flatten_keys, task_spec_dict
+    from eugo_dask.optimization import _current_settings, _Described, _profile, _token
+    from eugo_dask.rewrite import Rewrite, rewrite_graph
+    from eugo_dask.unfuse import split_mixed_tasks
+
+    settings = _current_settings()
+    profile = _profile(settings)
+    how = Rewrite(settings.device, settings.resource, _token(settings, profile), {}, {})
+    checked = 0
+    for x in [(da.ones((60, 40), chunks=(6, 10)) + 1).rechunk((20, 10)).max(axis=0),
+              (da.concatenate([da.ones((30, 40), chunks=7) + 1, da.ones((30, 40), chunks=9) * 2])
+               + 1).sum(axis=0),
+              (da.exp(da.from_array(A, chunks=50)) @ da.from_array(A, chunks=50).T).sum(axis=1)]:
+        graph, keys = x.__dask_graph__(), x.__dask_keys__()
+        chunks = ChunkInfo.from_graph(graph)
+        original = task_spec_dict(dask_optimize(graph, keys))
+        dsk = split_mixed_tasks(original, chunks)
+        described = _Described(dsk, keys, describe_graph(dsk, chunks, profile), profile)
+        plan = described.place(settings)
+        rewritten = rewrite_graph(dsk, plan, described.description, original,
+                                  flatten_keys(keys), how)
+        out = dict(rewritten.graph)
+        for key in plan.gpu_keys:
+            device_task = out[rewritten.on_device[key].key]
+            expected = frozenset([rewritten.on_device[d].key for d in dsk[key].dependencies])
+            assert list(device_task.dependencies) == list(expected), key
+            checked += 1
+    assert checked > 100
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_task_and_alias_constructors_match_dasks(monkeypatch, fast):
     """graph.new_task and graph.new_alias fill in the attributes Dask 2026.8's constructors
