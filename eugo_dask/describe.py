@@ -73,15 +73,21 @@ def _literal(value: Any) -> Value:
 
 
 class _Structure:
-    """A fused task's inner graph in execution order, shared by every chunk of a
-    blockwise-fused layer (they share one inner graph), and its shape (see :func:`_shape`)."""
+    """A fused task's inner graph in execution order with the names its task gives inputs and
+    output, shared by every chunk of a blockwise-fused layer (they share one inner graph), and
+    what stands for it in a follow key: its shape's number (see :func:`_shape`), or the inner
+    graph's identity where it has none."""
 
-    __slots__ = ("nodes", "outkey", "shape")
+    __slots__ = ("nodes", "inkeys", "outkey", "follow_id")
 
-    def __init__(self, parts: Fused) -> None:
+    def __init__(self, parts: Fused, shapes: dict[tuple[Any, ...], tuple[str, int]]) -> None:
+        self.inkeys: tuple[Key, ...] = parts.inkeys
         self.outkey: Key = parts.outkey
         self.nodes: list[tuple[Key, GraphNode]] = [(n.key, n) for n in execution_order(parts.inner)]
-        self.shape = _shape(self.nodes, parts.inkeys, parts.outkey)
+        shape = _shape(self.nodes, parts.inkeys, parts.outkey)
+        # one small key per shape: the follow key is looked up once per task
+        self.follow_id: Any = (id(parts.inner) if shape is None
+                               else shapes.setdefault(shape, ("shape", len(shapes))))
 
 
 class _NoShape(Exception):
@@ -257,12 +263,8 @@ class TaskDescriber:
         which = (id(parts.inner), parts.inkeys, parts.outkey)
         cached = self._structures.get(which)
         if cached is None:
-            cached = self._structures[which] = _Structure(parts)
+            cached = self._structures[which] = _Structure(parts, self._shapes)
         return cached
-
-    def _shape_id(self, shape: tuple[Any, ...]) -> tuple[str, int]:
-        # one small key per shape: the follow key is looked up once per task
-        return self._shapes.setdefault(shape, ("shape", len(self._shapes)))
 
     def describe(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
                  ) -> tuple[Estimate, ArraySpec | None, Value, bool]:
@@ -282,9 +284,7 @@ class TaskDescriber:
             env_values = [values.get(d.key, UNKNOWN_ARRAY) if type(d) is TaskRef
                           else _resolve(d, values) for d in parts.deps]
             structure = self._structure(parts)
-            follow_key: tuple[Any, ...] = (
-                id(parts.inner) if structure.shape is None else self._shape_id(structure.shape),
-                *map(_freeze, env_values))
+            follow_key: tuple[Any, ...] = (structure.follow_id, *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
         else:  # one function: its own arguments are all there is to follow
             follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
@@ -300,8 +300,8 @@ class TaskDescriber:
         if followed is None:
             steps: list[Step] = []
             embedded: list[ArraySpec] = []
-            if parts is not None and structure is not None:
-                env = dict(zip(parts.inkeys, env_values))
+            if structure is not None:
+                env = dict(zip(structure.inkeys, env_values))
                 _follow(structure.nodes, env, steps, embedded)
                 value = env.get(structure.outkey)
             else:

@@ -177,8 +177,13 @@ class Fused(NamedTuple):
 #: itself rather than have ``Task.__init__`` work the dependencies out again.
 _TASK_SLOTS = ("key", "_dependencies", "func", "args", "kwargs", "_data_producer", "_token",
                "_is_coro", "_repr")
-_TASK_SLOTS_MATCH = sorted(_TASK_SLOTS) == sorted(
-    slot for cls in Task.__mro__ for slot in getattr(cls, "__slots__", ()))
+
+
+def _slots(cls: type) -> list[str]:
+    return sorted(slot for base in cls.__mro__ for slot in getattr(base, "__slots__", ()))
+
+
+_TASK_SLOTS_MATCH = sorted(_TASK_SLOTS) == _slots(Task)
 
 
 def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -198,9 +203,7 @@ def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 _new_object = object.__new__
 _NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
-_ALIAS_SLOTS_MATCH = sorted(slot for cls in Alias.__mro__
-                            for slot in getattr(cls, "__slots__", ())) == ["_dependencies", "key",
-                                                                            "target"]
+_ALIAS_SLOTS_MATCH = _slots(Alias) == ["_dependencies", "key", "target"]
 
 
 def new_alias(key: Key) -> Alias:

@@ -286,7 +286,7 @@ class _DeviceRefs(dict[Key, TaskRef]):
         super().__init__()
         self.plan, self.targets, self.out = plan, targets, out
         self.roles, self.origin, self.device, self.token = roles, origin, device, token
-        self.written: list[Key] = []  # the copy tasks' keys
+        self.to_device_keys: list[Key] = []  # the copy tasks written, in order
 
     def __missing__(self, dep: Key) -> TaskRef:
         source: Key = self.targets.get(dep, dep)
@@ -301,7 +301,7 @@ class _DeviceRefs(dict[Key, TaskRef]):
                 self.out[key] = Task(key, to_device, TaskRef(source), self.device)
                 self.roles[key] = (TODEVICE_ROLE, None, None)
                 self.origin[key] = source
-                self.written.append(key)
+                self.to_device_keys.append(key)
                 ref = self[source] = TaskRef(key)
         self[dep] = ref
         return ref
@@ -344,7 +344,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         # dependencies: that order makes the new graph's order and its dependency sets, which
         # dask.order breaks ties by
         deps = node.dependencies
-        reads = frozenset([device_copy(d).key for d in deps])
+        dep_refs = list(map(device_copy, deps))
+        reads = frozenset([ref.key for ref in dep_refs])
         refs = ([on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef]
                 if func is FUSED_FUNC and not node.kwargs else None)
         if refs is not None and len(refs) == len(args) - FUSED_DEPS:
@@ -358,7 +359,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
         else:
-            copies = {d: on_device[d] for d in deps}
+            copies = dict(zip(deps, dep_refs))
             subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
             rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
                          else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
@@ -400,7 +401,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames, readers = _renames(out, order, original, outputs, origin, on_device.written,
+    renames, readers = _renames(out, order, original, outputs, origin, on_device.to_device_keys,
                                 token)
     graph = _renamed_graph(out, renames, readers)
     if renames:
