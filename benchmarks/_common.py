@@ -161,12 +161,32 @@ def naive_all_gpu(build_on: Callable[[Callable[[Any], Any]], Any]) -> Any:
         return x.map_blocks(cupy.asnumpy).compute(scheduler="threads")
 
 
+def check_same_result(result: Any, expected: Any) -> None:
+    """eugo's result against plain Dask's: same type, shape and dtype, and values equal up to the
+    rounding that a different device's kernels may do. Device kernels sum, contract and transform
+    in another order than NumPy's (cuFFT, cuBLAS, CUB's tree reductions), so elementwise
+    tolerances fail on single-precision FFTs whose large components swamp small ones; the check is
+    normwise, ``|result - expected| <= 1000 eps |expected|`` in the result's precision (about
+    1.2e-4 for float32, 2.2e-13 for float64). A wrong result is off by order 1."""
+    assert type(result) is type(expected), (type(result), type(expected))
+    result, expected = np.asarray(result), np.asarray(expected)
+    assert result.shape == expected.shape and result.dtype == expected.dtype, (
+        result.shape, result.dtype, expected.shape, expected.dtype)
+    if expected.dtype.kind not in "fc":
+        np.testing.assert_array_equal(result, expected)
+        return
+    limit = 1000 * np.finfo(expected.dtype).eps
+    error = np.linalg.norm((result - expected).ravel())
+    scale = np.linalg.norm(expected.ravel())
+    assert error <= limit * scale, f"normwise relative error {error / scale:.3g} over {limit:.3g}"
+
+
 def fmt(value: Any) -> str:
     if isinstance(value, str):
         return value
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-__all__ = ["NOT_MEASURED", "benchmark_parser", "best_of", "compute_eugo", "compute_plain",
+__all__ = ["NOT_MEASURED", "benchmark_parser", "best_of", "check_same_result", "compute_eugo", "compute_plain",
            "describe_blas", "eugo_settings", "fmt", "has_gpu", "naive_all_gpu", "np", "parse_args",
            "side_by_side"]

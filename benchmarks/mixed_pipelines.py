@@ -80,7 +80,7 @@ def main() -> None:
             expected = _common.compute_plain(build)
             eugo_dask.reset_device_stats()
             result = _common.compute_eugo(build, args.profile)
-            np.testing.assert_allclose(result, expected, rtol=1e-4, atol=1e-4)
+            _common.check_same_result(result, expected)
             stats = eugo_dask.device_stats()
             runs = {"cpu": partial(_common.compute_plain, build),
                     "eugo": partial(_common.compute_eugo, build, args.profile)}

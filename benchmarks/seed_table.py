@@ -79,7 +79,7 @@ def measure_row(text: str, kind: str, n: int, profile) -> dict:
     expected = _common.compute_plain(build)
     eugo_dask.reset_device_stats()
     result = _common.compute_eugo(build, profile)
-    np.testing.assert_allclose(result, expected, rtol=1e-3, atol=1e-3)
+    _common.check_same_result(result, expected)
     runs = {"cpu": lambda: apply(kind, arrays),
             "all_cpu": lambda: _common.compute_plain(build),
             "eugo": lambda: _common.compute_eugo(build, profile)}
