@@ -19,8 +19,8 @@ run in an offload thread that shares the GIL with the loop), the scheduler's ``u
 times and its peak memory growth, with eugo's loop blocking and memory as ratios to plain Dask's
 (goal: not much above 1).
 
-    python benchmarks/pass_overhead.py            # ~6,000 to ~900,000 tasks; scheduler ~515,000
-    python benchmarks/pass_overhead.py --quick    # ~900 and ~6,000 tasks; scheduler ~6,000
+    python benchmarks/pass_overhead.py            # 4 to ~900,000 tasks; scheduler ~515,000
+    python benchmarks/pass_overhead.py --quick    # 4 to ~6,000 tasks; scheduler ~6,000
 """
 
 from __future__ import annotations
@@ -99,16 +99,18 @@ def _ratio(value: float, plain: float) -> str:
 
 def main() -> None:
     args = _common.parse_args(_common.benchmark_parser(__doc__))
-    sizes = [8, 16] if args.quick else [16, 24, 48, 64, 88]
-    repeat = 2 if args.quick else 3
+    # from one chunk (a pass's fixed costs: settings, profile, token) to ~900,000 tasks
+    sizes = [1, 2, 8, 16] if args.quick else [1, 2, 4, 16, 24, 48, 64, 88]
     print(f"{'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} {'µs/task':>8} "
           f"{'rewrite s':>10} {'rewrite/dask':>13} {'µs/task':>8}")
     with dask.config.set(SETTINGS):
         for blocks in sizes:
+            # small graphs take a millisecond or less: more rounds, for a steady best
+            repeat = 100 if blocks <= 4 else 2 if args.quick else 3
             r = measure(blocks, repeat)
             n = r["tasks"]
-            print(f"{n:>9} {r['dask']:>8.3f} {r['plan']:>8.3f} {r['plan'] / r['dask']:>10.2f} "
-                  f"{1e6 * r['plan'] / n:>8.1f} {r['rewrite']:>10.3f} "
+            print(f"{n:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} {r['plan'] / r['dask']:>10.2f} "
+                  f"{1e6 * r['plan'] / n:>8.1f} {r['rewrite']:>10.4f} "
                   f"{r['rewrite'] / r['dask']:>13.2f} {1e6 * r['rewrite'] / n:>8.1f}", flush=True)
     print_submission(16 if args.quick else 72)
 

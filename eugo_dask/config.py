@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import dask
@@ -102,8 +102,7 @@ class Settings:
             device = "cupy"  # planned for the cluster's workers; this process needs no CuPy
         else:  # this machine's device; an explicit "cupy" here says why it cannot be honoured
             device = resolve_device_name(self.device, explicit_error=True) or "none"
-        return Settings(**{**asdict(self), "device": device,
-                           "profile": resolve_profile(self.profile, device)})
+        return replace(self, device=device, profile=resolve_profile(self.profile, device))
 
 
 def _number(key: str, value: Any, *, minimum: float, maximum: float | None = None,

@@ -237,7 +237,25 @@ def _token(settings: Settings, profile: Profile) -> str:
     settings, the profile and, with learning on, the learned durations. They go into every key
     eugo writes or renames, so a key means one thing whoever computes it."""
     learned = get_history(settings.history).digest() if settings.learn else None
-    return tokenize(settings.to_dict(), profile, learned, __version__)[:8]
+    try:
+        frozen = json.dumps(vars(settings), sort_keys=True)
+    except (TypeError, ValueError):  # not plain data: worked out every time
+        return tokenize(settings.to_dict(), profile, learned, __version__)[:8]
+    # the same settings and profile on every pass: tokenizing a profile costs more than
+    # describing a small graph. The profile object is kept with its token (load_profile hands
+    # out one object per profile and file version), so its id cannot stand for another one.
+    key = (frozen, id(profile), learned)
+    known = _tokens.get(key)
+    if known is not None and known[0] is profile:
+        return known[1]
+    token = tokenize(settings.to_dict(), profile, learned, __version__)[:8]
+    if len(_tokens) >= 64:
+        _tokens.clear()
+    _tokens[key] = (profile, token)
+    return token
+
+
+_tokens: dict[tuple[str, int, str | None], tuple[Profile, str]] = {}
 
 
 def _user_annotations(dsk: Any) -> dict[str, dict[Key, Any]]:

@@ -331,6 +331,13 @@ def validate_profile_dict(data: Any, *, require_cpu: bool = True) -> None:
 # Loading
 # ---------------------------------------------------------------------------------------------
 def _read_packaged(filename: str) -> dict[str, Any]:
+    """A preset file's contents, the caller's to change (parsed once per process: checking a
+    profile mapping reads its base preset, and that happens on every pass)."""
+    return copy.deepcopy(_parse_packaged(filename))
+
+
+@functools.cache
+def _parse_packaged(filename: str) -> dict[str, Any]:
     text = resources.files("eugo_dask").joinpath("profiles").joinpath(filename).read_text()
     return yaml.safe_load(text)
 
@@ -372,11 +379,23 @@ def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
             f"{_CONFIG_KEY} must be {'auto, ' if allow_auto else ''}one of the presets "
             f"{list(PRESETS)}, a path to a .yaml/.json profile, or a mapping; got {str(spec)!r}")
     if isinstance(spec, Mapping):
-        profile_dict(spec)
+        try:
+            frozen = json.dumps(spec, sort_keys=True)
+        except (TypeError, ValueError):
+            profile_dict(spec)  # names what is wrong, or passes: not plain data, not remembered
+        else:
+            _check_mapping(frozen)
         return spec
     raise ProfileError(
         f"{_CONFIG_KEY} must be {'auto, ' if allow_auto else ''}a preset name {list(PRESETS)}, "
         f"a path, or a mapping; got {type(spec).__name__}")
+
+
+@functools.lru_cache(maxsize=64)
+def _check_mapping(frozen: str) -> None:
+    """Check a profile mapping (as JSON) once per process: the settings are read on every pass.
+    A bad one raises every time (lru_cache keeps no exception)."""
+    profile_dict(json.loads(frozen))
 
 
 def profile_dict(spec: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:

@@ -184,3 +184,16 @@ def test_ci_runs_the_suite_with_cupy_installed_and_no_gpu():
     step = ci.split("with the gpu extra installed and no GPU", 1)[1]
     assert "pip install --quiet -e '.[test,gpu]'" in step  # CuPy and numba, as the image has
     assert 'pytest -m "not slow"' in step
+
+
+def test_a_bad_profile_mapping_raises_on_every_read():
+    """Checking a profile mapping is remembered per process (it runs on every pass); an error
+    is not: the second read of the same bad mapping raises as the first did."""
+    bad = {"base": "h200", "link": {"h2d_bytes_per_s": -5}}
+    with dask.config.set({"eugo.device": "emulated", "eugo.profile": bad}):
+        for _ in range(2):
+            with pytest.raises(ProfileError, match=r"link.h2d_bytes_per_s must be a positive number; got -5"):
+                read_settings()
+    good = {"base": "h200", "cpu": "server-x86"}
+    with dask.config.set({"eugo.device": "emulated", "eugo.profile": good}):
+        assert read_settings().profile == good

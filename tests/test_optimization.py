@@ -223,3 +223,40 @@ def test_garbage_made_before_the_pass_stays_young(emulated):
         assert alive() is None
     finally:
         gc.set_threshold(*thresholds)
+
+
+def test_the_plan_token_follows_settings_and_profile_file(tmp_path):
+    """The token in every key eugo writes is remembered per settings and profile, and is what
+    tokenizing them gives: another min-speedup or an edited profile file gives another token."""
+    import os
+    import time
+
+    import yaml
+    from dask.base import tokenize
+
+    from eugo_dask._version import __version__
+    from eugo_dask.config import read_settings
+    from eugo_dask.optimization import _profile, _token
+    from eugo_dask.profile import profile_dict
+
+    path = tmp_path / "p.yaml"
+    data = {**profile_dict("h200"), "cpu": "server-x86"}
+    path.write_text(yaml.safe_dump(data))
+
+    def token(**settings):
+        with dask.config.set({"eugo.device": "emulated", "eugo.profile": str(path), **settings}):
+            s = read_settings().resolved()
+            p = _profile(s)
+            expected = tokenize(s.to_dict(), p, None, __version__)[:8]
+            assert _token(s, p) == _token(s, p) == expected
+            return expected
+
+    first = token()
+    assert token() == first
+    other = token(**{"eugo.min-speedup": 3})
+    assert other != first
+    data["link"]["h2d_bytes_per_s"] = 1e9
+    path.write_text(yaml.safe_dump(data))
+    os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    edited = token()
+    assert edited not in (first, other)

@@ -214,3 +214,17 @@ def test_measured_gpu_figures_get_no_efficiency_factors():
     assert fft_s >= 5e9 / 5e12  # the measured FFT rate, not a share of the sin rate
     with pytest.raises(ProfileError, match=r"gpu.measured must be true or false; got 'yes'"):
         load_profile({"base": "h200", "cpu": "server-x86", "gpu": {"measured": "yes"}})
+
+
+def test_presets_are_parsed_once_and_handed_out_as_copies(monkeypatch):
+    parses = []
+    real = profile_mod.yaml.safe_load
+    monkeypatch.setattr(profile_mod.yaml, "safe_load", lambda text: parses.append(1) or real(text))
+    profile_mod._parse_packaged.cache_clear()
+    first = profile_dict("h200")
+    first["gpu"]["name"] = "changed by a caller"
+    first["link"]["h2d_bytes_per_s"] = 1.0
+    again = profile_dict("h200")
+    assert again["gpu"]["name"] == "NVIDIA H200 SXM 141GB" and again["link"]["h2d_bytes_per_s"] == 2e10
+    profile_dict({"base": "h200", "name": "mine"})
+    assert len(parses) == 1
