@@ -19,8 +19,8 @@ run in an offload thread that shares the GIL with the loop), the scheduler's ``u
 times and its peak memory growth, with eugo's loop blocking and memory as ratios to plain Dask's
 (goal: not much above 1).
 
-    python benchmarks/pass_overhead.py            # 4 to ~900,000 tasks; scheduler ~515,000
-    python benchmarks/pass_overhead.py --quick    # 4 to ~6,000 tasks; scheduler ~6,000
+    python benchmarks/pass_overhead.py            # 2 to ~900,000 tasks; scheduler ~515,000
+    python benchmarks/pass_overhead.py --quick    # 2 to ~6,000 tasks; scheduler ~6,000
 """
 
 from __future__ import annotations

@@ -237,14 +237,12 @@ def _token(settings: Settings, profile: Profile) -> str:
     settings, the profile and, with learning on, the learned durations. They go into every key
     eugo writes or renames, so a key means one thing whoever computes it."""
     learned = get_history(settings.history).digest() if settings.learn else None
-    try:
-        frozen = json.dumps(vars(settings), sort_keys=True)
-    except (TypeError, ValueError):  # not plain data: worked out every time
-        return tokenize(settings.to_dict(), profile, learned, __version__)[:8]
     # the same settings and profile on every pass: tokenizing a profile costs more than
-    # describing a small graph. The profile object is kept with its token (load_profile hands
-    # out one object per profile and file version), so its id cannot stand for another one.
-    key = (frozen, id(profile), learned)
+    # describing a small graph. The settings' repr tells apart what tokenize tells apart
+    # (2 from 2.0 and from numpy's 2.0); the profile object is kept with its token
+    # (load_profile hands out one object per profile and file version), so its id cannot
+    # stand for another one.
+    key = (repr(vars(settings)), id(profile), learned)
     known = _tokens.get(key)
     if known is not None and known[0] is profile:
         return known[1]

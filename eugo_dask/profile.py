@@ -473,8 +473,10 @@ def _build(data: Mapping[str, Any], cpu: Mapping[str, Any]) -> Profile:
 
 
 @functools.lru_cache(maxsize=64)
-def _load_cached(frozen: str, mtime_ns: int | None) -> Profile:
-    # mtime_ns is part of the cache key only: an edited profile file is read again
+def _load_cached(frozen: str, version: tuple[int, ...] | None) -> Profile:
+    # version (the file's change time, modification time, size and inode) is part of the cache
+    # key only: an edited profile file is read again, also one whose modification time was
+    # kept (cp -p, rsync -t, tar x), since writing it changes its change time
     spec = json.loads(frozen)
     data = profile_dict(spec)
     cpu = data.get("cpu")
@@ -501,15 +503,16 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
         spec = os.fspath(spec)
     try:
         frozen = json.dumps(spec, sort_keys=True)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # ValueError: a mapping that contains itself
         raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
-    mtime_ns = None
+    version = None
     if isinstance(spec, str) and spec not in PRESETS:
         try:
-            mtime_ns = os.stat(spec).st_mtime_ns
+            stat = os.stat(spec)
+            version = (stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size, stat.st_ino)
         except OSError:
             pass  # profile_dict names the problem
-    return _load_cached(frozen, mtime_ns)
+    return _load_cached(frozen, version)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -253,6 +253,17 @@ def test_the_plan_token_follows_settings_and_profile_file(tmp_path):
 
     first = token()
     assert token() == first
+    # a value that prints alike but tokenizes otherwise (numpy's 2.0 for 2.0) is not served the
+    # token remembered for the other one
+    from dataclasses import replace
+
+    import numpy as np
+    with dask.config.set({"eugo.device": "emulated", "eugo.profile": str(path)}):
+        s = read_settings().resolved()
+    p = _profile(s)
+    for value in (2.0, np.float64(2.0), 2):
+        t = replace(s, min_speedup=value)
+        assert _token(t, p) == tokenize(t.to_dict(), p, None, __version__)[:8]
     other = token(**{"eugo.min-speedup": 3})
     assert other != first
     data["link"]["h2d_bytes_per_s"] = 1e9

@@ -228,3 +228,26 @@ def test_presets_are_parsed_once_and_handed_out_as_copies(monkeypatch):
     assert again["gpu"]["name"] == "NVIDIA H200 SXM 141GB" and again["link"]["h2d_bytes_per_s"] == 2e10
     profile_dict({"base": "h200", "name": "mine"})
     assert len(parses) == 1
+
+
+def test_profile_file_edited_with_its_modification_time_kept_is_reloaded(tmp_path):
+    """cp -p, rsync -t and tar x keep a file's modification time: the edit still counts."""
+    import os
+
+    full = {**profile_dict("h200"), "cpu": CPU}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(full))
+    first = load_profile(str(path)).link.h2d_bytes_per_s
+    kept = os.stat(path)
+    full["link"]["h2d_bytes_per_s"] = first / 4
+    path.write_text(yaml.safe_dump(full))
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == kept.st_mtime_ns
+    assert load_profile(str(path)).link.h2d_bytes_per_s == first / 4
+
+
+def test_a_profile_mapping_that_contains_itself_is_a_profile_error():
+    spec: dict = {"base": "h200"}
+    spec["link"] = spec
+    with pytest.raises(ProfileError, match="must be plain data"):
+        load_profile(spec)
