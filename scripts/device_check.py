@@ -14,6 +14,9 @@ measured and appends one JSON record to ``--json`` (the script's ``results.jsonl
   (pool limit, bounded FFT plan caches, idle release) and once on CuPy's defaults, sampling pool,
   pinned memory, FFT plans and the process's RSS;
 - ``threads``: copy-and-compute throughput with 1, 2, 4 and 8 worker threads;
+- ``throughput``: device tasks per second through eugo's task scope and copies against plain
+  CuPy calls on the same work (a 1-32 MiB float32 chunk in, ``x * 2``, out), on 1 and 4 threads,
+  with 8 MiB staging buffers (the default), none, and 32 MiB; and each phase's time on one thread;
 - ``distributed``: a scheduler with eugo's plugin, a GPU worker and a CPU worker (separate
   processes): where tasks ran, results against plain Dask, device counters per worker.
 
@@ -328,6 +331,78 @@ def _throughput(device: CupyDevice, host: np.ndarray, n_threads: int, seconds: f
     return done[0] / (time.perf_counter() - start)
 
 
+def check_throughput(seconds: float = 2.5) -> dict[str, Any]:
+    cupy = gpu()
+    rng = np.random.default_rng(0)
+    hosts = [rng.random(int(n), dtype=np.float32) for n in rng.integers(1 << 18, 1 << 23, 24)]
+    local = threading.local()
+
+    def plain(i: int) -> None:
+        cupy.asnumpy(cupy.asarray(hosts[i % len(hosts)]) * 2)
+
+    def plain_non_blocking(i: int) -> None:  # on a non-blocking stream per thread, as eugo's scope
+        stream = getattr(local, "stream", None)
+        if stream is None:
+            stream = local.stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            plain(i)
+            stream.synchronize()
+
+    def rate(task: Callable[[int], None], threads: int) -> float:
+        stop = time.monotonic() + seconds
+        done = [0] * threads
+
+        def work(k: int) -> None:
+            i = k
+            while time.monotonic() < stop:
+                task(i)
+                i += threads
+                done[k] += 1
+
+        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        start = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return sum(done) / (time.perf_counter() - start)
+
+    out: dict[str, Any] = {"mean_chunk_MiB": float(np.mean([h.nbytes for h in hosts])) / MiB}
+    for label, staging in (("staging 8 MiB", 8 * MiB), ("no staging", 0), ("staging 32 MiB", 32 * MiB)):
+        dev = CupyDevice(cupy, DeviceSettings(staging_bytes=staging))
+
+        def eugo(i: int, dev: CupyDevice = dev) -> None:
+            with dev.task():
+                dev.to_host(dev.to_device(hosts[i % len(hosts)]) * 2)
+
+        runs = {"eugo": eugo, "plain": plain, "plain_nb": plain_non_blocking}
+        for task in runs.values():  # first use: kernels, handles, staging buffers
+            task(0)
+        cupy.cuda.Device().synchronize()
+        entry: dict[str, Any] = {}
+        for threads in (1, 4):
+            entry[f"{threads} threads"] = {name: rate(task, threads) for name, task in runs.items()}
+            print(f"{label}, {threads} thread(s): tasks/s "
+                  f"{ {k: round(v, 1) for k, v in entry[f'{threads} threads'].items()} }", flush=True)
+        phases = dict.fromkeys(("h2d", "op", "d2h", "scope exit"), 0.0)
+        for i in range(48):
+            t0 = time.perf_counter()
+            with dev.task():
+                x = dev.to_device(hosts[i % len(hosts)])
+                t1 = time.perf_counter()
+                y = x * 2
+                t2 = time.perf_counter()
+                dev.to_host(y)
+                t3 = time.perf_counter()
+            t4 = time.perf_counter()
+            for name, spent in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[name] += spent
+        entry["phases_ms"] = {name: round(spent / 48 * 1e3, 3) for name, spent in phases.items()}
+        print(f"{label}, eugo phases, ms per task on one thread: {entry['phases_ms']}", flush=True)
+        out[label] = entry
+    return out
+
+
 def check_threads() -> dict[str, Any]:
     cupy = gpu()
     device = CupyDevice(cupy, DeviceSettings())
@@ -398,7 +473,7 @@ def check_distributed() -> dict[str, Any]:
 
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": check_env, "copies": check_copies, "timing": check_timing, "memory": check_memory,
-    "threads": check_threads, "distributed": check_distributed,
+    "threads": check_threads, "throughput": check_throughput, "distributed": check_distributed,
 }
 
 

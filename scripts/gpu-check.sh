@@ -74,6 +74,7 @@ step timing 25 $checks timing --json "$results"
 step pytest-gpu 150 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rs
 step memory 50 $checks memory --seconds 18 --json "$results"
 step threads 20 $checks threads --json "$results"
+step throughput 70 $checks throughput --json "$results"
 step distributed 50 $checks distributed --json "$results"
 step calibrate 50 python3 -m eugo_dask.cli calibrate --quick -o "$out/calibrated.yaml"
 profile=h200
