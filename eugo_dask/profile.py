@@ -380,8 +380,8 @@ def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
             f"{list(PRESETS)}, a path to a .yaml/.json profile, or a mapping; got {str(spec)!r}")
     if isinstance(spec, Mapping):
         try:
-            frozen = json.dumps(spec, sort_keys=True)
-        except (TypeError, ValueError):
+            frozen = _frozen(spec)
+        except ProfileError:
             profile_dict(spec)  # names what is wrong, or passes: not plain data, not remembered
         else:
             _check_mapping(frozen)
@@ -389,6 +389,14 @@ def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
     raise ProfileError(
         f"{_CONFIG_KEY} must be {'auto, ' if allow_auto else ''}a preset name {list(PRESETS)}, "
         f"a path, or a mapping; got {type(spec).__name__}")
+
+
+def _frozen(spec: Any) -> str:
+    """``spec`` as sorted JSON: what the per-process caches of profiles are keyed by."""
+    try:
+        return json.dumps(spec, sort_keys=True)
+    except (TypeError, ValueError) as e:  # ValueError: a mapping that contains itself
+        raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
 
 
 @functools.lru_cache(maxsize=64)
@@ -501,10 +509,7 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
     """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc)."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
-    try:
-        frozen = json.dumps(spec, sort_keys=True)
-    except (TypeError, ValueError) as e:  # ValueError: a mapping that contains itself
-        raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
+    frozen = _frozen(spec)
     version = None
     if isinstance(spec, str) and spec not in PRESETS:
         try:

@@ -309,26 +309,35 @@ def check_memory(seconds: float) -> dict[str, Any]:
     return out
 
 
-def _throughput(device: CupyDevice, host: np.ndarray, n_threads: int, seconds: float) -> float:
-    """Tasks per second (copy in, compute, copy out) with ``n_threads`` worker threads."""
-    done = [0]
-    lock = threading.Lock()
+def _tasks_per_second(task: Callable[[int], None], n_threads: int, seconds: float) -> float:
+    """Calls of ``task`` per second from ``n_threads`` threads for ``seconds``; thread ``k`` calls
+    it with ``k``, ``k + n_threads``, ``k + 2 n_threads`` ..."""
     stop = time.monotonic() + seconds
+    done = [0] * n_threads
 
-    def worker() -> None:
+    def worker(k: int) -> None:
+        i = k
         while time.monotonic() < stop:
-            with device.task():
-                device.to_host(device.to_device(host) * 2 + 1)
-            with lock:
-                done[0] += 1
+            task(i)
+            i += n_threads
+            done[k] += 1
 
-    threads = [threading.Thread(target=worker) for _ in range(n_threads)]
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
     start = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return done[0] / (time.perf_counter() - start)
+    return sum(done) / (time.perf_counter() - start)
+
+
+def _throughput(device: CupyDevice, host: np.ndarray, n_threads: int, seconds: float) -> float:
+    """Tasks per second (copy in, compute, copy out) with ``n_threads`` worker threads."""
+    def task(_: int) -> None:
+        with device.task():
+            device.to_host(device.to_device(host) * 2 + 1)
+
+    return _tasks_per_second(task, n_threads, seconds)
 
 
 def check_throughput(seconds: float = 2.5) -> dict[str, Any]:
@@ -348,25 +357,6 @@ def check_throughput(seconds: float = 2.5) -> dict[str, Any]:
             plain(i)
             stream.synchronize()
 
-    def rate(task: Callable[[int], None], threads: int) -> float:
-        stop = time.monotonic() + seconds
-        done = [0] * threads
-
-        def work(k: int) -> None:
-            i = k
-            while time.monotonic() < stop:
-                task(i)
-                i += threads
-                done[k] += 1
-
-        pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
-        start = time.perf_counter()
-        for t in pool:
-            t.start()
-        for t in pool:
-            t.join()
-        return sum(done) / (time.perf_counter() - start)
-
     out: dict[str, Any] = {"mean_chunk_MiB": float(np.mean([h.nbytes for h in hosts])) / MiB}
     for label, staging in (("staging 8 MiB", 8 * MiB), ("no staging", 0), ("staging 32 MiB", 32 * MiB)):
         dev = CupyDevice(cupy, DeviceSettings(staging_bytes=staging))
@@ -381,7 +371,8 @@ def check_throughput(seconds: float = 2.5) -> dict[str, Any]:
         cupy.cuda.Device().synchronize()
         entry: dict[str, Any] = {}
         for threads in (1, 4):
-            entry[f"{threads} threads"] = {name: rate(task, threads) for name, task in runs.items()}
+            entry[f"{threads} threads"] = {name: _tasks_per_second(task, threads, seconds)
+                                           for name, task in runs.items()}
             print(f"{label}, {threads} thread(s): tasks/s "
                   f"{ {k: round(v, 1) for k, v in entry[f'{threads} threads'].items()} }", flush=True)
         phases = dict.fromkeys(("h2d", "op", "d2h", "scope exit"), 0.0)
