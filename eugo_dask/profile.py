@@ -223,8 +223,12 @@ class Profile:
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
+#: What a number in a profile may be: Python's, or NumPy's (a rate worked out with NumPy).
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
 def _check_number(where: str, value: Any, kind: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, _NUMBERS) or not math.isfinite(value):
         raise ProfileError(f"{_CONFIG_KEY}: {where} must be a finite number; got {value!r}")
     if kind.startswith("positive") and value <= 0:
         raise ProfileError(f"{_CONFIG_KEY}: {where} must be a positive number; got {value!r}")
@@ -394,9 +398,16 @@ def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
 def _frozen(spec: Any) -> str:
     """``spec`` as sorted JSON: what the per-process caches of profiles are keyed by."""
     try:
-        return json.dumps(spec, sort_keys=True)
+        return json.dumps(spec, sort_keys=True, default=_plain_number)
     except (TypeError, ValueError) as e:  # ValueError: a mapping that contains itself
         raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
+
+
+def _plain_number(value: Any) -> Any:
+    """A NumPy number as Python's (JSON has no other); anything else is not plain data."""
+    if isinstance(value, (np.integer, np.floating)):  # (json writes Python's own itself)
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 @functools.lru_cache(maxsize=64)
@@ -509,7 +520,12 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
     """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc)."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
-    frozen = _frozen(spec)
+    try:
+        frozen = _frozen(spec)
+    except ProfileError as e:
+        if isinstance(e.__cause__, TypeError):  # a value of another type: which field
+            profile_dict(spec)
+        raise
     version = None
     if isinstance(spec, str) and spec not in PRESETS:
         try:

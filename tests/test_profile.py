@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
 from eugo_dask import measure
 from eugo_dask import profile as profile_mod
-from eugo_dask.profile import PRESETS, ProfileError, load_profile, profile_dict
+from eugo_dask.profile import PRESETS, ProfileError, check_profile_spec, load_profile, profile_dict
 
 CPU = yaml.safe_load(
     (profile_mod.resources.files("eugo_dask") / "profiles" / "server-x86.cpu.yaml").read_text()
@@ -87,6 +88,19 @@ def test_edited_profile_file_is_reloaded(tmp_path):
 def test_bad_profiles_raise_clear_errors(spec, match):
     with pytest.raises(ProfileError, match=match):
         load_profile(spec)
+
+
+@pytest.mark.parametrize("number", [np.float32(5e9), np.int64(5_000_000_000), np.float64(5e9)])
+def test_numpy_numbers_are_numbers(number):
+    # a rate worked out with NumPy is a number like any other, in the check and the cache key
+    spec = {"base": "h200", "link": {"h2d_bytes_per_s": number}}
+    check_profile_spec(spec)
+    assert load_profile(spec).link.h2d_bytes_per_s == 5e9
+    assert type(load_profile(spec).link.h2d_bytes_per_s) is float
+    with pytest.raises(ProfileError, match=r"link.h2d_bytes_per_s must be a positive number; got -1.0"):
+        load_profile({"base": "h200", "link": {"h2d_bytes_per_s": np.float32(-1)}})
+    with pytest.raises(ProfileError, match=r"link.latency_s must be a finite number; got np.True_"):
+        load_profile({"base": "h200", "link": {"latency_s": np.True_}})
 
 
 def test_malformed_profile_file(tmp_path):
