@@ -34,11 +34,11 @@ from eugo_dask.graph import (
     Graph,
     Key,
     alias_targets,
+    dependency_order,
     execution_order,
     fused,
     is_fused,
     key_name,
-    toposort,
 )
 from eugo_dask.history import RuntimeHistory
 from eugo_dask.ops import CPU, CREATION, DATA, GPU, classify_node
@@ -355,20 +355,41 @@ class TaskDescriber:
 
 @dataclass
 class GraphDescription:
-    """What :func:`describe_graph` found: every key in dependency order, each alias's final
-    target, the output spec and estimate of every task eugo can reason about (``estimates``
-    in dependency order too), and the distinct keys each of those tasks reads (aliases
-    resolved)."""
+    """What :func:`describe_graph` found:
+
+    - ``order``: every key, each after its dependencies; ``targets``: each alias's final target;
+    - ``values``: what each key holds as the shape rules see it (a chunk's spec,
+      :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a literal such as an array-like a read takes
+      its chunk from);
+    - the tasks eugo can reason about, in dependency order: ``estimates`` (key -> estimate) and,
+      key for key with it, ``inputs`` (the distinct keys each task reads, aliases resolved),
+      ``task_specs`` (its output spec) and ``task_nodes`` (its node): the placement and the
+      rewrite walk them side by side rather than look each task up;
+    - ``undescribed``: the other keys with their nodes (chunks, aliases, tasks eugo wrote).
+    """
 
     order: list[Key]
     targets: dict[Key, Key]
-    specs: dict[Key, ArraySpec | None]
+    values: dict[Key, Value]
     estimates: dict[Key, Estimate]
-    inputs: dict[Key, frozenset[Key]]
+    inputs: list[frozenset[Key]]
+    task_specs: list[ArraySpec | None]
+    task_nodes: list[Task]
+    undescribed: list[tuple[Key, GraphNode]]
 
     def resolve(self, key: Key) -> Key:
         """The key an alias finally stands for (the key itself for anything else)."""
         return self.targets.get(key, key)
+
+    def spec(self, key: Key) -> ArraySpec | None:
+        """The chunk ``key`` holds, where its shape and dtype are known."""
+        value = self.values.get(key)
+        return value if isinstance(value, ArraySpec) else None
+
+    @property
+    def specs(self) -> dict[Key, ArraySpec | None]:
+        """:meth:`spec` of every key."""
+        return {k: self.spec(k) for k in self.order}
 
 
 _NESTED, _WHOLE = object(), object()  # markers in the keys _same_inputs makes
@@ -417,12 +438,18 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     specs feeding outputs'."""
     targets = alias_targets(dsk)
     resolve = targets.get  # an alias's final target, in one dict access on the hot path
-    order = toposort(dsk)
+    ordered, cells = dependency_order(dsk)
+    order = [cell[1] for cell in ordered]
+    # the tasks that read an alias (few): what they read is the aliases' targets
+    alias_readers = {reader[1] for alias in targets for reader in cells[alias][3]}
+    del cells
     describer = TaskDescriber(chunks, profile, history)
-    specs: dict[Key, ArraySpec | None] = {}
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
-    reads: dict[Key, frozenset[Key]] = {}
+    task_specs: list[ArraySpec | None] = []
+    task_nodes: list[Task] = []
+    inputs: list[frozenset[Key]] = []
+    undescribed: list[tuple[Key, GraphNode]] = []
     # Once per task of graphs a million tasks large: chunk tasks (the common case) first, and
     # an alias's own entry in ``values`` holds its target's, so a task's inputs are read from
     # ``values`` by the keys the task names, aliases or not.
@@ -432,22 +459,19 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     # layer's chunks of one shape share one spec object, and everything compared is kept alive
     # by the graph or by ``values`` until the walk ends), without hashing what they hold.
     shared: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
-    for k in order:
-        node = dsk[k]
+    for _, k, node, _ in ordered:
         if type(node) is Task:
             func = node.func
             written = ours.get(id(func))
             if written is None:
                 written = ours[id(func)] = not is_fused(node) and is_eugo_callable(func)
             if written:
-                specs[k] = None
                 values[k] = UNKNOWN_ARRAY
+                undescribed.append((k, node))
                 continue
             deps = node.dependencies
-            if targets and not targets.keys().isdisjoint(deps):
-                reads[k] = frozenset([resolve(d, d) for d in deps])
-            else:
-                reads[k] = deps
+            inputs.append(frozenset([resolve(d, d) for d in deps])
+                          if alias_readers and k in alias_readers else deps)
             same = _same_inputs(k, node, deps, values, chunks)
             answer = shared.get(same) if same is not None else None
             if answer is None:
@@ -455,18 +479,21 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 answer = (estimate, spec, handed_on)
                 if same is not None and (cacheable or same[-1] is _WHOLE):
                     shared[same] = answer
-            estimates[k], specs[k], handed_on = answer
+            estimates[k], spec, handed_on = answer
+            task_specs.append(spec)
+            task_nodes.append(node)
+            # (its spec where known: where the spec is None, what it hands on is no spec)
             values[k] = UNKNOWN_ARRAY if handed_on is None else handed_on
-        elif isinstance(node, DataNode):
-            value = values[k] = _literal(node.value)  # a chunk, or an array-like to read from
-            specs[k] = value if isinstance(value, ArraySpec) else None
-        elif isinstance(node, Alias):
-            specs[k] = specs.get(resolve(k, k))
-            values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
         else:
-            specs[k] = None
-            values[k] = UNKNOWN_ARRAY
-    return GraphDescription(order, targets, specs, estimates, reads)
+            undescribed.append((k, node))
+            if isinstance(node, DataNode):
+                values[k] = _literal(node.value)  # a chunk, or an array-like to read from
+            elif isinstance(node, Alias):
+                values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
+            else:
+                values[k] = UNKNOWN_ARRAY
+    return GraphDescription(order, targets, values, estimates, inputs, task_specs, task_nodes,
+                            undescribed)
 
 
 __all__ = ["GraphDescription", "TaskDescriber", "describe_graph"]

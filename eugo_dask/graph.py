@@ -14,7 +14,7 @@ targets and output-key flattening.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -63,6 +63,7 @@ class ChunkInfo:
         self._chunk_types = dict(chunk_types or {})
         # one object per distinct spec: the chunks of a layer share it (see describe_graph)
         self._interned: dict[ArraySpec, ArraySpec] = {}
+        self._specs: dict[tuple[Any, tuple[Any, ...]], ArraySpec | None] = {}  # (layer, shape)
 
     @classmethod
     def from_graph(cls, graph: Any) -> ChunkInfo:
@@ -122,9 +123,11 @@ class ChunkInfo:
 
     def spec(self, key: Key) -> ArraySpec | None:
         if type(key) is tuple and key:
-            info = self._layers.get(key[0])
+            name = key[0]
+            info = self._layers.get(name)
             index = key[1:]
         else:
+            name = key
             info = self._layers.get(key)
             if info is None or any(len(c) != 1 for c in info[0]):
                 return None
@@ -135,9 +138,15 @@ class ChunkInfo:
         if len(index) != len(chunks):
             return None
         try:
-            shape = tuple([dim[i] for dim, i in zip(chunks, index)])
+            shape = tuple(map(operator.getitem, chunks, index))  # (once per task: no bytecode loop)
         except (IndexError, TypeError):
             return None
+        spec = self._specs.get((name, shape))
+        if spec is None:
+            spec = self._specs[(name, shape)] = self._new_spec(shape, dtype)
+        return spec
+
+    def _new_spec(self, shape: tuple[Any, ...], dtype: np.dtype[Any]) -> ArraySpec | None:
         if any(type(s) is not int for s in shape):  # rare: NumPy ints, floats, NaN
             if any(isinstance(s, float) and math.isnan(s) for s in shape):
                 return None  # unknown chunk sizes (boolean indexing): size unknown
@@ -327,35 +336,39 @@ def alias_targets(dsk: Graph) -> dict[Key, Key]:
     return {a: follow(a) for a in aliases}
 
 
-def toposort(dsk: Graph) -> list[Key]:
-    """Keys of ``dsk``, each after its dependencies (Kahn's algorithm, last ready first)."""
-    # Once per key of graphs a million keys large, where a lookup in a dict that size is what
-    # costs: each key has a cell [dependencies not yet ordered, key] and the keys it depends on
-    # list the cells themselves, so ordering a key updates its dependents without a lookup per
-    # edge.
-    cells = []
-    dependents: defaultdict[Key, list[list[Any]]] = defaultdict(list)
-    for k, node in dsk.items():
-        deps = node.dependencies
-        cell = [len(deps), k]
-        cells.append(cell)
-        for d in deps:
-            dependents[d].append(cell)
-    for d in dependents.keys() - dsk.keys():  # from outside the graph: nothing to wait for
-        for cell in dependents[d]:
-            cell[0] -= 1
-    ready = [cell[1] for cell in cells if not cell[0]]
+def dependency_order(dsk: Graph) -> tuple[list[list[Any]], dict[Key, list[Any]]]:
+    """Every key of ``dsk`` after its dependencies (Kahn's algorithm, last ready first), as
+    cells ``[_, key, node, dependents]`` (``dependents``: the cells of the keys that read it),
+    in that order and by key.
+
+    Once per key of graphs a million keys large, where a lookup in a dict that size is what
+    costs: one lookup per edge, none per key ordered (a cell lists its dependents' cells), and
+    the walk that follows gets each node with its key."""
+    cells = {k: [0, k, node, []] for k, node in dsk.items()}  # [deps not yet ordered, ...]
+    cell_of = cells.get
+    for cell in cells.values():
+        for d in cell[2].dependencies:
+            dep = cell_of(d)
+            if dep is not None:  # (a key from outside the graph: nothing to wait for)
+                dep[3].append(cell)
+                cell[0] += 1
+    ready = [cell for cell in cells.values() if not cell[0]]
     order = []
     while ready:
-        k = ready.pop()
-        order.append(k)
-        for cell in dependents.get(k, ()):
-            cell[0] -= 1
-            if not cell[0]:
-                ready.append(cell[1])
-    if len(order) != len(dsk):
+        cell = ready.pop()
+        order.append(cell)
+        for dependent in cell[3]:
+            dependent[0] -= 1
+            if not dependent[0]:
+                ready.append(dependent)
+    if len(order) != len(cells):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
-    return order
+    return order, cells
+
+
+def toposort(dsk: Graph) -> list[Key]:
+    """Keys of ``dsk``, each after its dependencies (see :func:`dependency_order`)."""
+    return [cell[1] for cell in dependency_order(dsk)[0]]
 
 
 def flatten_keys(keys: Any) -> set[Key]:

@@ -248,18 +248,14 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # Placement
 # ---------------------------------------------------------------------------------------------
-def _needs_host_regardless(dsk: Graph, description: GraphDescription, outputs: set[Key]) -> set[Key]:
+def _needs_host_regardless(description: GraphDescription, outputs: set[Key],
+                           read_by_undescribed: set[Key]) -> set[Key]:
     """Results that must reach the host whatever is placed where: outputs, and the inputs of
     consumers that cannot run on a device (aliases pass their consumers' needs through)."""
-    estimates, reads = description.estimates, description.inputs
-    needed = {description.resolve(k) for k in outputs}
-    for k in description.order:
-        est = estimates.get(k)
-        if est is not None:
-            if not est.gpu_capable:
-                needed |= reads[k]
-        else:
-            needed |= _reads(dsk[k], description)
+    needed = {description.resolve(k) for k in outputs} | read_by_undescribed
+    for est, inputs in zip(description.estimates.values(), description.inputs, strict=True):
+        if not est.gpu_capable:
+            needed |= inputs
     return needed
 
 
@@ -303,39 +299,54 @@ def place(
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
-    estimates, specs, reads = description.estimates, description.specs, description.inputs
+    estimates, values = description.estimates, description.values
     width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
     threads = profile.cpu.threads
     lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
-    host_regardless = _needs_host_regardless(dsk, description, outputs)
-    sizes = {k: s.nbytes for k, s in specs.items() if s is not None}
+    # what the keys eugo cannot reason about read (chunks, aliases, tasks eugo wrote) must be
+    # on the host whatever is placed where
+    read_by_undescribed = set().union(*[_reads(node, description)
+                                        for _, node in description.undescribed])
+    host_regardless = _needs_host_regardless(description, outputs, read_by_undescribed)
     h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
     d2h_s = functools.lru_cache(maxsize=None)(lambda n: estimate_d2h_seconds(n, profile))
 
+    # What the walk knows of each key it has seen, in one cell (one lookup per input rather
+    # than one per question): [bytes, on the device, copied]. A key on the device is copied
+    # back once (to the host) and a host key once (to the device); a key is placed before any
+    # of its consumers, so "copied" means the copy its consumers would otherwise pay.
+    seen: dict[Key, list[Any]] = {}
     on_gpu: set[Key] = set()
-    h2d_done: set[Key] = set()  # host results already copied to the device
-    d2h_done: set[Key] = set()  # device results already copied back
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
-    # ``estimates`` holds the described tasks in dependency order: iterating it skips the
-    # others without a lookup each
-    for k, est in estimates.items():
-        inputs = reads[k]
+    # ``estimates`` holds the described tasks in dependency order, ``inputs`` and
+    # ``task_specs`` what they read and give in the same order: walking them side by side
+    # skips the others without a lookup each
+    nbytes: dict[int, int] = {}  # id(spec) -> its bytes (a layer's chunks share one spec)
+    for (k, est), inputs, spec in zip(estimates.items(), description.inputs,
+                                      description.task_specs, strict=True):
         lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
         input_bytes = 0
+        to_copy = []  # the inputs' cells whose copy this task pays where it is placed
         for d in inputs:
-            n = sizes.get(d, 0)
+            cell = seen.get(d)
+            if cell is None:  # not placed: a chunk, a key from outside, a task eugo wrote
+                given = values.get(d)
+                cell = seen[d] = [given.nbytes if isinstance(given, ArraySpec) else 0, False,
+                                  False]
+            n = cell[0]
             input_bytes += n
-            if d in on_gpu:
-                if d not in d2h_done:
+            if not cell[2]:
+                if cell[1]:
                     d2h_in += d2h_s(n)
-            elif d not in h2d_done:
-                h2d += h2d_s(n)
+                else:
+                    h2d += h2d_s(n)
+                to_copy.append(cell)
         if est.in_bytes > input_bytes:  # chunks embedded in the task
             h2d += h2d_s(est.in_bytes - input_bytes)
         d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
@@ -347,25 +358,27 @@ def place(
         if (capable and not too_big and _not_starting is None
                 and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
             placement: Placement = GPU
-            # the inputs not on the device are copied there; adding those already on it too
-            # changes nothing (a key on the device is never looked up in h2d_done) and is one
-            # C-level update
-            h2d_done.update(inputs)
+            for cell in to_copy:  # the inputs on the host are copied to the device
+                if not cell[1]:
+                    cell[2] = True
             on_gpu.add(k)
-            if d2h_out:
-                d2h_done.add(k)
             chosen = gpu_total
             gpu_cpu_s += cpu_s
         else:
             placement = CPU
-            # likewise: the inputs on the device are copied back, and a key on the host (placed
-            # already: inputs come first) is never looked up in d2h_done
-            d2h_done.update(inputs)
+            for cell in to_copy:  # the inputs on the device are copied back
+                if cell[1]:
+                    cell[2] = True
             chosen = cpu_total
+        # (a result copied back for an output or a CPU-only consumer is copied once)
+        size = nbytes.get(id(spec))
+        if size is None:
+            size = nbytes[id(spec)] = spec.nbytes if spec is not None else 0
+        seen[k] = [size, placement is GPU, placement is GPU and d2h_out > 0]
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
         as_chosen += chosen
-        decisions[k] = Decision(k, placement, est, specs.get(k), cpu_s, h2d, d2h_out,
+        decisions[k] = Decision(k, placement, est, spec, cpu_s, h2d, d2h_out,
                                 lanes, d2h_in, min_speedup,
                                 device_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
@@ -388,19 +401,17 @@ def place(
         device=device,
         min_speedup=min_speedup,
         totals=totals,
-        host_needed=frozenset(_host_consumed(dsk, description, decisions, outputs) & on_gpu),
+        host_needed=frozenset(_host_consumed(description, decisions, outputs,
+                                             read_by_undescribed) & on_gpu),
     )
 
 
-def _host_consumed(dsk: Graph, description: GraphDescription, decisions: dict[Key, Decision],
-                   outputs: set[Key]) -> set[Key]:
+def _host_consumed(description: GraphDescription, decisions: dict[Key, Decision],
+                   outputs: set[Key], read_by_undescribed: set[Key]) -> set[Key]:
     """Results an output or a CPU-placed (or unplanned) consumer reads as NumPy."""
-    reads = description.inputs
-    needed = {description.resolve(k) for k in outputs}
-    for k, node in dsk.items():
-        d = decisions.get(k)
-        if d is None:
-            needed |= _reads(node, description)
-        elif d.device == CPU:
-            needed |= reads[k]
+    needed = {description.resolve(k) for k in outputs} | read_by_undescribed
+    # (the decisions follow the described tasks, as their inputs do, key for key)
+    for decision, inputs in zip(decisions.values(), description.inputs, strict=True):
+        if decision.device == CPU:
+            needed |= inputs
     return needed

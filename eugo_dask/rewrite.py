@@ -332,13 +332,12 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     # works out (its DeviceCall, its device name, its fused inner graph on the device), every
     # task shares; the device task is made with the dependencies already known (new_task).
     device_copy = on_device.__getitem__
-    for key, decision in decisions.items():
+    # (one decision per described task, in the order of the description's nodes)
+    for (key, decision), node in zip(decisions.items(), description.task_nodes, strict=True):
         if decision.device != GPU:
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
             roles[key] = (role, decision.cpu_s, decision.cpu_s)
             continue
-        node = dsk[key]
-        assert type(node) is Task, node
         func, args = node.func, node.args
         # the device copies of what the task reads, made (where missing) in the order of its
         # dependencies: that order makes the new graph's order and its dependency sets, which
@@ -432,10 +431,9 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     changed = set(origin)
     renames: dict[Key, Key] = {}
     readers: list[Key] = []
-    for key in order:
-        node = out.get(key)
-        if node is None:
-            continue  # moved to the device and consumed there
+    # (the keys moved to the device and consumed there are skipped without a lookup each)
+    for key in filter(out.__contains__, order):
+        node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
             changed.add(key)
             readers.append(key)
