@@ -320,7 +320,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     host_needed = plan.host_needed
     order, targets = description.order, description.targets
     roles: dict[Key, RoleEntry] = {}
-    origin: dict[Key, Key] = {}  # a key eugo writes -> the original key it stands in for
+    origin: dict[Key, Key] = {}  # a copy eugo writes -> the original key it stands in for
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
     # one DeviceCall per function and layer, and the layer's device name: by function and
     # layer, and the last one by layer (a layer has one function: one lookup by its name)
@@ -383,7 +383,6 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         out[device_key] = new_task(device_key, call[0], args, kwargs, reads, node.data_producer)
         on_device[key] = TaskRef(device_key)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
-        origin[device_key] = key
         if key in host_needed:
             # the copy back gets a prefix of its own (the task stream tells it apart); the
             # original key, which outputs and CPU consumers read, is an alias of it
@@ -400,13 +399,14 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames, readers = _renames(out, order, original, outputs, origin, on_device.to_device_keys,
-                                token)
+    renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token)
     graph = _renamed_graph(out, renames, readers)
     if renames:
         for old, new in renames.items():
             if old in roles:
                 roles[new] = roles.pop(old)
+    if how.carried:  # the user's annotations of a GPU task go to its device task too
+        origin.update({on_device[k].key: k for k, d in decisions.items() if d.device == GPU})
     carried = _carried(how.carried, renames, origin) if how.carried else {}
     if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
         user = carried.setdefault("resources", {})
@@ -418,8 +418,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
-             origin: dict[Key, Key], to_device_keys: list[Key], token: str
-             ) -> tuple[dict[Key, Key], list[Key]]:
+             to_device_keys: list[Key], token: str) -> tuple[dict[Key, Key], list[Key]]:
     """New names for the original keys whose meaning changed: their task is not Dask's (split
     from a fused task, turned into an alias of a copy back) or reads a renamed key. Keys eugo
     wrote carry the token already; outputs keep their names (their values are Dask's).
@@ -428,7 +427,7 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     known: the original keys whose meaning changed, and the copies to the device (which read
     host results by their original keys). The device tasks and copies back read only keys eugo
     wrote."""
-    changed = set(origin)
+    changed: set[Key] = set()  # (the original keys read only original keys)
     renames: dict[Key, Key] = {}
     readers: list[Key] = []
     # (the keys moved to the device and consumed there are skipped without a lookup each)
