@@ -460,10 +460,36 @@ def _rates(data: Mapping[str, float]) -> Rates:
     )
 
 
-def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {dtype: {name: ([tuple(p) for p in v] if isinstance(v, list) else v)
-                    for name, v in classes.items()}
-            for dtype, classes in table.items()}
+class ReadOnlyTable(dict[str, Any]):
+    """A calibrated table of a profile (dtype -> {name: seconds, or (size, seconds) points}),
+    read-only: one :class:`Profile` object serves every pass of the process (``load_profile``
+    keeps it), so a change made to it in place would change every plan made after. A dict
+    otherwise: it pickles, compares and reads as one."""
+
+    __slots__ = ()
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a profile's tables are read-only (every pass shares the profile); "
+                        "to change one, load a profile from a changed mapping or file")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _read_only
+    __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (dict(self),))
+
+    def __copy__(self) -> ReadOnlyTable:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyTable:
+        return self  # (nothing in it changes: its values are tables, numbers and tuples)
+
+
+def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> ReadOnlyTable:
+    return ReadOnlyTable({
+        dtype: ReadOnlyTable({name: (tuple(tuple(p) for p in v) if isinstance(v, list) else v)
+                              for name, v in classes.items()})
+        for dtype, classes in table.items()})
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {

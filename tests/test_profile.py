@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -265,3 +266,32 @@ def test_a_profile_mapping_that_contains_itself_is_a_profile_error():
     spec["link"] = spec
     with pytest.raises(ProfileError, match="must be plain data"):
         load_profile(spec)
+
+
+def test_a_profiles_tables_are_read_only_and_still_pickle():
+    # one Profile object serves every pass of the process: changing its table in place would
+    # change every plan made after
+    import copy
+    import pickle
+
+    table = {"float64": {"matmul": [[512, 1 / 20e9], [2048, 1 / 50e9]], "exp": 2e-9}}
+    import eugo_dask
+
+    server = yaml.safe_load((Path(eugo_dask.__file__).parent / "profiles" / "server-x86.cpu.yaml")
+                            .read_text())
+    spec = {"base": "h200", "cpu": {**server, "matmul_s_per_flop": table}}
+    profile = load_profile(spec)
+    loaded = profile.cpu.matmul_s_per_flop
+    with pytest.raises(TypeError, match="read-only"):
+        loaded["float64"]["matmul"] = ((1, 1.0),)
+    with pytest.raises(TypeError, match="read-only"):
+        loaded["float32"] = {}
+    with pytest.raises(TypeError, match="read-only"):
+        loaded["float64"].update(exp=1.0)
+    assert load_profile(spec).cpu.matmul_s_per_flop == {
+        "float64": {"matmul": ((512, 1 / 20e9), (2048, 1 / 50e9)), "exp": 2e-9}}
+    again = pickle.loads(pickle.dumps(profile))
+    assert again == profile and type(again.cpu.matmul_s_per_flop["float64"]) is type(loaded)
+    assert copy.deepcopy(profile) == profile
+    assert json.loads(json.dumps(loaded)) == {
+        "float64": {"matmul": [[512, 1 / 20e9], [2048, 1 / 50e9]], "exp": 2e-9}}
