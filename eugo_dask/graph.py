@@ -212,21 +212,6 @@ def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 _new_object = object.__new__
 _NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
-_ALIAS_SLOTS_MATCH = _slots(Alias) == ["_dependencies", "key", "target"]
-
-
-def new_alias(key: Key) -> Alias:
-    """``Alias(key)``, a reference to ``key`` nested in a task's arguments: made for every input
-    of the tree-reduction tasks the rewrite moves to the device, without ``Alias.__init__``'s
-    type tests."""
-    if not _ALIAS_SLOTS_MATCH:  # another Dask: its own constructor
-        return Alias(key)
-    alias = _new_object(Alias)
-    alias.key = alias.target = key
-    alias._dependencies = frozenset((key,))
-    return alias
-
-
 #: For the pass's loops over every task, which read a fused task's arguments in place rather
 #: than make a :class:`Fused` per task: its function, and where in ``Task.args`` its inner
 #: graph, output key, input names and first dependency sit (the layout ``Fused`` names).

@@ -35,7 +35,6 @@ from eugo_dask.graph import (
     Graph,
     Key,
     fused,
-    new_alias,
     new_task,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
@@ -207,19 +206,22 @@ def is_inner_source(node: GraphNode) -> bool:
     return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
-def _nested_on_device(node: GraphNode, subs: dict[Key, Key]) -> GraphNode:
+def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef], subs: dict[Key, Key]
+                      ) -> GraphNode:
     """``node.substitute(subs)`` for a node nested in a GPU task's arguments, ``subs`` mapping
-    every key the task reads to its device copy. The common shape (a tree reduction's
-    ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per chunk) is rebuilt here with its
-    dependencies known, as Dask's ``Task.substitute`` would rebuild it; anything else by that."""
+    every key the task reads to its device copy (``copies``: the references to those). The
+    common shape (a tree reduction's ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per
+    chunk) is rebuilt here with its dependencies known, each reference to an input becoming the
+    reference to its copy: a ``TaskRef``, which ``Task`` evaluates as it does an alias of a key,
+    without a set of dependencies of its own (a quarter of the tasks of a large matmul's graph
+    are these). Anything else by ``substitute``."""
     if type(node) is not Task or not node.dependencies:
         return node.substitute(subs)
     args: list[Any] = []
     for a in node.args:
-        if type(a) is Alias and a.key is a.target:  # a reference by alias: Alias(k) -> Alias(k')
-            args.append(new_alias(subs[a.key]))
-        elif isinstance(a, TaskRef):  # a distributed Future is one too
-            args.append(TaskRef(subs[a.key]))
+        # a reference by alias (Alias(k)) or by TaskRef (a distributed Future is one too)
+        if (type(a) is Alias and a.key is a.target) or isinstance(a, TaskRef):
+            args.append(copies[a.key])
         elif isinstance(a, GraphNode):
             return node.substitute(subs)
         else:
@@ -361,7 +363,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             copies = dict(zip(deps, dep_refs))
             subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
             rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
-                         else _nested_on_device(a, subs) if isinstance(a, GraphNode) else a
+                         else _nested_on_device(a, copies, subs) if isinstance(a, GraphNode)
+                         else a
                          for a in args]
             kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
             parts = fused(node)

@@ -123,8 +123,9 @@ def test_rewritten_tasks_are_what_dasks_constructor_makes(emulated):
 def test_rewritten_tree_reductions_are_what_dasks_constructors_make(emulated):
     # a matmul's contraction sums its partial products in a task per chunk,
     # _identity_cast(Alias(k1), Alias(k2), ...) nested in its arguments: moved to the device,
-    # the nested task and its aliases are rebuilt by the rewrite itself (graph.new_alias)
-    from dask._task_spec import Task
+    # the nested task is rebuilt by the rewrite itself, each alias of an input becoming the
+    # reference to its device copy (a TaskRef: Task evaluates it as it does the alias)
+    from dask._task_spec import Task, TaskRef
 
     z = da.random.default_rng(0).random((64, 64), chunks=8)
     x = (np.exp(z @ z.T) + 1).sum(axis=0)
@@ -135,13 +136,16 @@ def test_rewritten_tree_reductions_are_what_dasks_constructors_make(emulated):
               for arg in task.args if type(arg) is Task]
     assert len(nested) >= 8 * 8
     for task, arg in nested:
-        aliases = [a for a in arg.args if isinstance(a, Alias)]
-        assert aliases
-        for alias in aliases:
-            assert alias == Alias(alias.key) and alias.dependencies == {alias.key}
-            assert alias.key in graph
+        refs = [a for a in arg.args if isinstance(a, TaskRef)]
+        assert refs and not any(isinstance(a, Alias) for a in arg.args)
+        for ref in refs:
+            assert key_split(ref.key).startswith("eugo-gpu") and ref.key in graph
         assert arg == Task(arg.key, arg.func, *arg.args, **arg.kwargs)
-        assert arg.dependencies == {a.key for a in aliases} <= task.dependencies
+        assert arg.dependencies == {a.key for a in refs} <= task.dependencies
+        # evaluated as Dask evaluates the aliases it stands for
+        values = {ref.key: np.full(3, i + 1.0) for i, ref in enumerate(refs)}
+        aliased = Task(arg.key, arg.func, *[Alias(a.key) for a in refs], **arg.kwargs)
+        np.testing.assert_array_equal(arg(values), aliased(values))
     with dask.config.set(optimizations=[]):
         assert_eq(result, x.compute(scheduler="sync"))
 
@@ -184,20 +188,16 @@ def test_device_tasks_read_their_copies_in_their_tasks_dependency_order(emulated
 
 
 @pytest.mark.parametrize("fast", [True, False])
-def test_task_and_alias_constructors_match_dasks(monkeypatch, fast):
-    """graph.new_task and graph.new_alias fill in the attributes Dask 2026.8's constructors
-    set; under another Dask (other attributes) they call those constructors. Either way they
-    make what the constructors make."""
+def test_task_constructor_matches_dasks(monkeypatch, fast):
+    """graph.new_task fills in the attributes Dask 2026.8's constructor sets; under another
+    Dask (other attributes) it calls that constructor. Either way it makes what the constructor
+    makes."""
     from dask._task_spec import Task, TaskRef
 
     from eugo_dask import graph
 
     monkeypatch.setattr(graph, "_TASK_SLOTS_MATCH", fast and graph._TASK_SLOTS_MATCH)
-    monkeypatch.setattr(graph, "_ALIAS_SLOTS_MATCH", fast and graph._ALIAS_SLOTS_MATCH)
-    alias = graph.new_alias(("x", 1))
-    assert type(alias) is Alias and alias == Alias(("x", 1))
-    assert alias.dependencies == {("x", 1)} and alias.target == ("x", 1)
-    args = (TaskRef(("y", 0)), alias)
+    args = (TaskRef(("y", 0)), Alias(("x", 1)))
     task = graph.new_task(("z", 0), max, args, {}, frozenset([("y", 0), ("x", 1)]), True)
     expected = Task(("z", 0), max, *args, _data_producer=True)
     assert task == expected
