@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
 import dask
+import numpy as np
 import yaml
 from dask.utils import parse_bytes, parse_timedelta
 
@@ -114,7 +115,8 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
     except (TypeError, ValueError):
         raise ValueError(f"{key} must be {allowed}; got {value!r}") from None
     low_ok = number > minimum if exclusive_minimum else number >= minimum
-    if isinstance(value, bool) or not low_ok or (maximum is not None and number > maximum):
+    if (isinstance(value, (bool, np.bool_)) or not low_ok
+            or (maximum is not None and number > maximum)):
         raise ValueError(f"{key} must be {allowed}; got {value!r}")
     return number
 

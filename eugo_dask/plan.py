@@ -370,10 +370,10 @@ def place(
                 if cell[1]:
                     cell[2] = True
             chosen = cpu_total
-        # (a result copied back for an output or a CPU-only consumer is copied once)
         size = nbytes.get(id(spec))
         if size is None:
             size = nbytes[id(spec)] = spec.nbytes if spec is not None else 0
+        # (a device result copied back for an output or a CPU-only consumer: copied once)
         seen[k] = [size, placement is GPU, placement is GPU and d2h_out > 0]
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total

@@ -217,7 +217,10 @@ class Profile:
     cpu: CPUProfile
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The profile as plain data of the caller's own: its tables as dicts, not read-only."""
+        return {name: ({field: _unfrozen(value) for field, value in section.items()}
+                       if isinstance(section, dict) else section)
+                for name, section in asdict(self).items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,8 +408,10 @@ def _frozen(spec: Any) -> str:
 
 def _plain_number(value: Any) -> Any:
     """A NumPy number as Python's (JSON has no other); anything else is not plain data."""
-    if isinstance(value, (np.integer, np.floating)):  # (json writes Python's own itself)
-        return value.item()
+    if isinstance(value, np.integer):  # (json writes Python's own itself)
+        return int(value)
+    if isinstance(value, np.floating):  # (float: a longdouble's item() is a longdouble)
+        return float(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
@@ -483,6 +488,12 @@ class ReadOnlyTable(dict[str, Any]):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ReadOnlyTable:
         return self  # (nothing in it changes: its values are tables, numbers and tuples)
+
+
+def _unfrozen(value: Any) -> Any:
+    if isinstance(value, ReadOnlyTable):
+        return {key: _unfrozen(inner) for key, inner in value.items()}
+    return value
 
 
 def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> ReadOnlyTable:

@@ -9,6 +9,7 @@ import sys
 import dask
 import dask.array as da
 import jsonschema
+import numpy as np
 import pytest
 
 import eugo_dask
@@ -51,6 +52,8 @@ def test_defaults_registered():
         ("eugo.device", "gpu", r"eugo.device must be one of \['auto', 'cupy', 'emulated', 'none'\]; got 'gpu'"),
         ("eugo.min-speedup", -1, r"eugo.min-speedup must be a number >= 0; got -1"),
         ("eugo.min-speedup", "fast", r"eugo.min-speedup must be a number >= 0; got 'fast'"),
+        ("eugo.min-speedup", True, r"eugo.min-speedup must be a number >= 0; got True"),
+        ("eugo.min-speedup", np.True_, r"eugo.min-speedup must be a number >= 0; got np.True_"),
         ("eugo.device-memory-fraction", 0, r"eugo.device-memory-fraction must be a number > 0 and <= 1; got 0"),
         ("eugo.device-memory-fraction", 1.5, r"eugo.device-memory-fraction must be a number > 0 and <= 1"),
         ("eugo.resource", "", r"eugo.resource must be a non-empty worker resource name"),

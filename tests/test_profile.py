@@ -91,7 +91,8 @@ def test_bad_profiles_raise_clear_errors(spec, match):
         load_profile(spec)
 
 
-@pytest.mark.parametrize("number", [np.float32(5e9), np.int64(5_000_000_000), np.float64(5e9)])
+@pytest.mark.parametrize("number", [np.float32(5e9), np.int64(5_000_000_000), np.float64(5e9),
+                                    np.longdouble(5e9)])
 def test_numpy_numbers_are_numbers(number):
     # a rate worked out with NumPy is a number like any other, in the check and the cache key
     spec = {"base": "h200", "link": {"h2d_bytes_per_s": number}}
@@ -295,3 +296,9 @@ def test_a_profiles_tables_are_read_only_and_still_pickle():
     assert copy.deepcopy(profile) == profile
     assert json.loads(json.dumps(loaded)) == {
         "float64": {"matmul": [[512, 1 / 20e9], [2048, 1 / 50e9]], "exp": 2e-9}}
+    # its dict form is plain data of the caller's own: YAML writes it, the caller edits it
+    mine = profile.to_dict()
+    mine["cpu"]["matmul_s_per_flop"]["float64"] = {"matmul": 1e-12}
+    assert yaml.safe_load(yaml.safe_dump(mine))["cpu"]["matmul_s_per_flop"] == {
+        "float64": {"matmul": 1e-12}}
+    assert load_profile(spec).cpu.matmul_s_per_flop["float64"]["exp"] == 2e-9
