@@ -401,17 +401,20 @@ def check_profile_spec(spec: Any, *, allow_auto: bool = True) -> Any:
 def _frozen(spec: Any) -> str:
     """``spec`` as sorted JSON: what the per-process caches of profiles are keyed by."""
     try:
-        return json.dumps(spec, sort_keys=True, default=_plain_number)
+        return json.dumps(spec, sort_keys=True, default=_plain)
     except (TypeError, ValueError) as e:  # ValueError: a mapping that contains itself
         raise ProfileError(f"{_CONFIG_KEY} must be plain data (str, numbers, mappings): {e}") from e
 
 
-def _plain_number(value: Any) -> Any:
-    """A NumPy number as Python's (JSON has no other); anything else is not plain data."""
-    if isinstance(value, np.integer):  # (json writes Python's own itself)
+def _plain(value: Any) -> Any:
+    """What JSON cannot write itself but a profile may hold: a NumPy number as Python's, a
+    mapping of another type as a dict. Anything else is not plain data."""
+    if isinstance(value, np.integer):
         return int(value)
     if isinstance(value, np.floating):  # (float: a longdouble's item() is a longdouble)
         return float(value)
+    if isinstance(value, Mapping):
+        return dict(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 

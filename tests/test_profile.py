@@ -105,6 +105,14 @@ def test_numpy_numbers_are_numbers(number):
         load_profile({"base": "h200", "link": {"latency_s": np.True_}})
 
 
+def test_a_mapping_of_another_type_is_a_mapping():
+    from types import MappingProxyType
+
+    spec = {"base": "h200", "link": MappingProxyType({"h2d_bytes_per_s": 5e9})}
+    check_profile_spec(spec)
+    assert load_profile(spec).link.h2d_bytes_per_s == 5e9
+
+
 def test_malformed_profile_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("gpu: [unclosed\n")
