@@ -430,10 +430,11 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     known: the original keys whose meaning changed, and the copies to the device (which read
     host results by their original keys). The device tasks and copies back read only keys eugo
     wrote."""
-    changed: set[Key] = set()  # (the original keys read only original keys)
+    # (an original key reads a key eugo wrote only where eugo changed its task: seen below)
+    changed: set[Key] = set()
     renames: dict[Key, Key] = {}
     readers: list[Key] = []
-    # (the keys moved to the device and consumed there are skipped without a lookup each)
+    # (the keys moved to the device and consumed there are skipped by C, not by bytecode)
     for key in filter(out.__contains__, order):
         node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
