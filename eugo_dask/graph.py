@@ -141,10 +141,11 @@ class ChunkInfo:
             shape = tuple(map(operator.getitem, chunks, index))  # (once per task: no bytecode loop)
         except (IndexError, TypeError):
             return None
-        spec = self._specs.get((name, shape))
-        if spec is None:
+        try:
+            return self._specs[(name, shape)]
+        except KeyError:  # (once per layer and chunk shape; None too is kept)
             spec = self._specs[(name, shape)] = self._new_spec(shape, dtype)
-        return spec
+            return spec
 
     def _new_spec(self, shape: tuple[Any, ...], dtype: np.dtype[Any]) -> ArraySpec | None:
         if any(type(s) is not int for s in shape):  # rare: NumPy ints, floats, NaN
@@ -349,11 +350,6 @@ def dependency_order(dsk: Graph) -> tuple[list[list[Any]], dict[Key, list[Any]]]
     if len(order) != len(cells):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
     return order, cells
-
-
-def toposort(dsk: Graph) -> list[Key]:
-    """Keys of ``dsk``, each after its dependencies (see :func:`dependency_order`)."""
-    return [cell[1] for cell in dependency_order(dsk)[0]]
 
 
 def flatten_keys(keys: Any) -> set[Key]:
