@@ -24,7 +24,7 @@ import functools
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -316,7 +316,7 @@ def place(
     # back once (to the host) and a host key once (to the device); a key is placed before any
     # of its consumers, so "copied" means the copy its consumers would otherwise pay.
     seen: dict[Key, list[Any]] = {}
-    gpu_tasks = 0
+    on_gpu: set[Key] = set()
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
@@ -361,7 +361,7 @@ def place(
             for cell in to_copy:  # the inputs on the host are copied to the device
                 if not cell[1]:
                     cell[2] = True
-            gpu_tasks += 1
+            on_gpu.add(k)
             chosen = gpu_total
             gpu_cpu_s += cpu_s
         else:
@@ -384,17 +384,16 @@ def place(
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
                                 else None)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
-    if cold is not None and gpu_tasks and min_speedup != 0:
+    if cold is not None and on_gpu and min_speedup != 0:
         # The GPU tasks' CPU time against what placing them costs (their own device time and
         # copies, and the copies back their CPU consumers pay): all_cpu - as_chosen apart.
-        startup = cold.seconds(gpu_tasks)
+        startup = cold.seconds(len(on_gpu))
         on_gpu_s = gpu_cpu_s - (all_cpu - as_chosen)
         if startup > 0 and gpu_cpu_s < min_speedup * (on_gpu_s + startup):
             # the same walk, every task on the CPU; those it would have offloaded say why
             return place(dsk, keys, description, profile=profile, min_speedup=min_speedup,
                          device=device, device_memory_bytes=device_memory_bytes,
-                         _not_starting=(frozenset(_on_gpu(decisions, decisions)),
-                                        (startup, on_gpu_s, gpu_cpu_s)))
+                         _not_starting=(frozenset(on_gpu), (startup, on_gpu_s, gpu_cpu_s)))
 
     return Plan(
         decisions=decisions,
@@ -402,14 +401,9 @@ def place(
         device=device,
         min_speedup=min_speedup,
         totals=totals,
-        host_needed=frozenset(_on_gpu(decisions, _host_consumed(description, decisions, outputs,
-                                                                read_by_undescribed))),
+        host_needed=frozenset(_host_consumed(description, decisions, outputs,
+                                             read_by_undescribed) & on_gpu),
     )
-
-
-def _on_gpu(decisions: dict[Key, Decision], keys: Iterable[Key]) -> list[Key]:
-    """Those of ``keys`` placed on the GPU."""
-    return [k for k in keys if (d := decisions.get(k)) is not None and d.device == GPU]
 
 
 def _host_consumed(description: GraphDescription, decisions: dict[Key, Decision],
