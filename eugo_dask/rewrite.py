@@ -19,6 +19,7 @@ resource (``eugo.resource``) so a distributed scheduler can pin them; key prefix
 from __future__ import annotations
 
 import functools
+import operator
 import uuid
 from typing import Any, Final, Literal, NamedTuple
 
@@ -42,6 +43,8 @@ from eugo_dask.plan import Plan
 from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
 from eugo_dask.unfuse import task_families
 
+_KEY_OF = operator.attrgetter("key")
+_IS_REF = TaskRef.__instancecheck__  # isinstance(x, TaskRef), for map
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
 GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
 
@@ -163,9 +166,14 @@ class _Lookup:
 
 
 def annotated_graph(dsk: Graph, roles: TaskRoles) -> HighLevelGraph:
-    """One-layer HighLevelGraph annotated with ``roles``."""
+    """One-layer HighLevelGraph of (a copy of) ``dsk``, annotated with ``roles``."""
+    return _one_layer(dict(dsk), roles)
+
+
+def _one_layer(graph: dict[Key, GraphNode], roles: TaskRoles) -> HighLevelGraph:
+    """``graph`` itself as the one layer of a HighLevelGraph, annotated with ``roles``."""
     name = f"eugo-{uuid.uuid4().hex}"
-    layer = MaterializedLayer(dict(dsk), annotations=roles.annotations())
+    layer = MaterializedLayer(graph, annotations=roles.annotations())
     return HighLevelGraph({name: layer}, {name: set()})
 
 
@@ -206,40 +214,40 @@ def is_inner_source(node: GraphNode) -> bool:
     return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
-def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef], subs: dict[Key, Key]
-                      ) -> GraphNode:
-    """``node.substitute(subs)`` for a node nested in a GPU task's arguments, ``subs`` mapping
-    every key the task reads to its device copy (``copies``: the references to those). The
-    common shape (a tree reduction's ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per
-    chunk) is rebuilt here with its dependencies known, each reference to an input becoming the
-    reference to its copy: a ``TaskRef``, which ``Task`` evaluates as it does an alias of a key,
-    without a set of dependencies of its own (a quarter of the tasks of a large matmul's graph
-    are these). Anything else by ``substitute``."""
+def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef]) -> GraphNode:
+    """A node nested in a GPU task's arguments with every key it reads replaced by its device
+    copy (``copies``: the references to those, for every key the task reads). The common shape
+    (a tree reduction's ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per chunk) is
+    rebuilt here with its dependencies known, each reference to an input becoming the reference
+    to its copy: a ``TaskRef``, which ``Task`` evaluates as it does an alias of a key, without a
+    set of dependencies of its own (a quarter of the tasks of a large matmul's graph are
+    these). Anything else by ``substitute``."""
     if type(node) is not Task or not node.dependencies:
-        return node.substitute(subs)
+        return _substituted(node, copies)
     args: list[Any] = []
     for a in node.args:
         # a reference by alias (Alias(k)) or by TaskRef (a distributed Future is one too)
         if (type(a) is Alias and a.key is a.target) or isinstance(a, TaskRef):
             args.append(copies[a.key])
         elif isinstance(a, GraphNode):
-            return node.substitute(subs)
+            return _substituted(node, copies)
         else:
             args.append(a)
     kwargs = node.kwargs
     if kwargs:
         for v in kwargs.values():
             if isinstance(v, (GraphNode, TaskRef)):
-                return node.substitute(subs)
+                return _substituted(node, copies)
     return new_task(node.key, node.func, tuple(args), dict(kwargs),
-                    frozenset([subs[d] for d in node.dependencies]), node.data_producer)
+                    frozenset([copies[d].key for d in node.dependencies]), node.data_producer)
 
 
-def _substituted(arg: Any, subs: dict[Key, Key]) -> Any:
+def _substituted(arg: Any, copies: dict[Key, TaskRef]) -> Any:
+    """``arg`` reading the device copies of the keys it reads."""
     if isinstance(arg, TaskRef):  # a distributed Future is one too
-        return TaskRef(subs[arg.key]) if arg.key in subs else arg
+        return copies[arg.key]
     if isinstance(arg, GraphNode):
-        return arg.substitute(subs)
+        return arg.substitute({d: copies[d].key for d in arg.dependencies})
     return arg
 
 
@@ -342,14 +350,15 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             continue
         func, args = node.func, node.args
         # the device copies of what the task reads, made (where missing) in the order of its
-        # dependencies: that order makes the new graph's order and its dependency sets, which
-        # dask.order breaks ties by
-        deps = node.dependencies
-        dep_refs = list(map(device_copy, deps))
-        reads = frozenset([ref.key for ref in dep_refs])
-        refs = ([on_device[d.key] for d in args[FUSED_DEPS:] if type(d) is TaskRef]
-                if func is FUSED_FUNC and not node.kwargs else None)
-        if refs is not None and len(refs) == len(args) - FUSED_DEPS:
+        # dependencies: that order makes the new graph's order and its dependency set's
+        # (dask.order breaks ties by it)
+        reads = frozenset(map(_KEY_OF, map(device_copy, node.dependencies)))
+        refs = None
+        if func is FUSED_FUNC and not node.kwargs:
+            inputs = args[FUSED_DEPS:]
+            if all(map(_IS_REF, inputs)):  # (a distributed Future is a TaskRef too)
+                refs = list(map(device_copy, map(_KEY_OF, inputs)))
+        if refs is not None:
             # the common case, a fused task reading plain references, its inner graph shared
             # by every chunk of a blockwise layer
             inner = args[FUSED_INNER]
@@ -360,13 +369,12 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = {}
         else:
-            copies = dict(zip(deps, dep_refs))
-            subs: dict[Key, Key] = {d: ref.key for d, ref in copies.items()}
-            rewritten = [copies[a.key] if isinstance(a, TaskRef)  # a Future is one too
-                         else _nested_on_device(a, copies, subs) if isinstance(a, GraphNode)
+            rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
+                         else _nested_on_device(a, on_device) if isinstance(a, GraphNode)
                          else a
                          for a in args]
-            kwargs = {k: _substituted(v, subs) for k, v in node.kwargs.items()} if node.kwargs else {}
+            kwargs = ({k: _substituted(v, on_device) for k, v in node.kwargs.items()}
+                      if node.kwargs else {})
             parts = fused(node)
             if parts is not None:
                 inner = parts.inner
@@ -403,8 +411,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             del out[key]
 
     renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token)
-    graph = _renamed_graph(out, renames, readers)
     if renames:
+        _rename(out, renames, readers)
         for old, new in renames.items():
             if old in roles:
                 roles[new] = roles.pop(old)
@@ -416,7 +424,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         for key, entry in roles.items():
             if entry[0] in DEVICE_ROLES:
                 user[key] = {**how.resources, **(user.get(key) or {})}
-    return Rewritten(annotated_graph(graph, TaskRoles(roles, how.resource, carried)), plan,
+    return Rewritten(_one_layer(out, TaskRoles(roles, how.resource, carried)), plan,
                      on_device, renames)
 
 
@@ -445,17 +453,17 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     return renames, readers + to_device_keys
 
 
-def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
-                   ) -> dict[Key, GraphNode]:
-    if not renames:
-        return dict(out)
+def _rename(out: dict[Key, GraphNode], renames: dict[Key, Key], readers: list[Key]) -> None:
+    """Apply ``renames`` to ``out`` in place: a renamed key's task moves to its new name (at
+    the end of the dict), and tasks reading a renamed key read the new name."""
     renamed = renames.keys()
-    changed = {}
     for key in readers:
         node = out[key]
-        if key in renames or not renamed.isdisjoint(node.dependencies):
-            changed[key] = _renamed_node(key, node, renames)
-    return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
+        if key in renames:
+            del out[key]
+            out[renames[key]] = _renamed_node(key, node, renames)
+        elif not renamed.isdisjoint(node.dependencies):
+            out[key] = _renamed_node(key, node, renames)
 
 
 def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNode:
