@@ -14,7 +14,7 @@ from typing import NamedTuple
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.base import tokenize
 
-from eugo_dask.graph import ChunkInfo, Fused, Key, fused
+from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, ChunkInfo, Fused, Key, fused
 from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node
 
 
@@ -42,17 +42,26 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
     out: dict[Key, GraphNode] | None = None
     families_of: dict[int, set[Family]] = {}
     templates: dict[int, ReadTemplate | None] = {}
-    pending = list(dsk.items())
+
+    def mixed(node: GraphNode) -> bool:
+        """Whether ``node`` is a fused task whose parts mix device and CPU-only work (asked
+        once per inner graph: a blockwise layer's tasks share theirs)."""
+        if type(node) is not Task or node.func is not FUSED_FUNC:
+            return False
+        inner = node.args[FUSED_INNER]
+        families = families_of.get(id(inner))
+        if families is None:
+            families = families_of[id(inner)] = task_families(node)
+        return bool(families & GPU_FAMILIES and families & CPU_ONLY_FAMILIES)
+
+    # (once per task of graphs a million tasks large: no Fused made for the tasks left alone)
+    pending = [(key, node) for key, node in dsk.items() if mixed(node)]
     while pending:  # what a split exposes (a blockwise task inside a linear chain) is split too
         key, node = pending.pop()
         parts = fused(node)
-        if parts is None:
+        if parts is None or not mixed(node):
             continue
-        families = families_of.get(id(parts.inner))
-        if families is None:
-            families = families_of[id(parts.inner)] = task_families(node)
-        if not (families & GPU_FAMILIES and families & CPU_ONLY_FAMILIES):
-            continue
+        families = families_of[id(parts.inner)]
         if not parts.is_blockwise:
             if out is None:
                 out = dict(dsk)
