@@ -411,8 +411,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             del out[key]
 
     renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token)
+    graph = _renamed_graph(out, renames, readers)
     if renames:
-        _rename(out, renames, readers)
         for old, new in renames.items():
             if old in roles:
                 roles[new] = roles.pop(old)
@@ -424,7 +424,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         for key, entry in roles.items():
             if entry[0] in DEVICE_ROLES:
                 user[key] = {**how.resources, **(user.get(key) or {})}
-    return Rewritten(_one_layer(out, TaskRoles(roles, how.resource, carried)), plan,
+    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried)), plan,
                      on_device, renames)
 
 
@@ -453,17 +453,20 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     return renames, readers + to_device_keys
 
 
-def _rename(out: dict[Key, GraphNode], renames: dict[Key, Key], readers: list[Key]) -> None:
-    """Apply ``renames`` to ``out`` in place: a renamed key's task moves to its new name (at
-    the end of the dict), and tasks reading a renamed key read the new name."""
+def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
+                   ) -> dict[Key, GraphNode]:
+    """``out`` with ``renames`` applied, each key where it was: dask.order breaks ties by the
+    order of the graph's keys. A new dict either way (``out`` has the holes of the keys moved
+    to the device)."""
+    if not renames:
+        return dict(out)
     renamed = renames.keys()
+    changed = {}
     for key in readers:
         node = out[key]
-        if key in renames:
-            del out[key]
-            out[renames[key]] = _renamed_node(key, node, renames)
-        elif not renamed.isdisjoint(node.dependencies):
-            out[key] = _renamed_node(key, node, renames)
+        if key in renames or not renamed.isdisjoint(node.dependencies):
+            changed[key] = _renamed_node(key, node, renames)
+    return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
 
 
 def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNode:

@@ -187,6 +187,41 @@ def test_device_tasks_read_their_copies_in_their_tasks_dependency_order(emulated
     assert checked > 100
 
 
+def test_renamed_keys_keep_their_place_in_the_graph(emulated):
+    """A key the rewrite renames (its task changed, or it reads a renamed key) stays where its
+    original key was in the graph's order, as every key it keeps does: dask.order breaks ties by
+    that order, so moving renamed keys to the end changed the priorities (SVD's singular
+    values: an output and a renamed task swapped)."""
+    from dask.array.optimization import optimize as dask_optimize
+
+    from eugo_dask.describe import describe_graph
+    from eugo_dask.graph import ChunkInfo, flatten_keys, task_spec_dict
+    from eugo_dask.optimization import _current_settings, _Described, _profile, _token
+    from eugo_dask.rewrite import Rewrite, rewrite_graph
+    from eugo_dask.unfuse import split_mixed_tasks
+
+    settings = _current_settings()
+    profile = _profile(settings)
+    how = Rewrite(settings.device, settings.resource, _token(settings, profile), {}, {})
+    x = da.from_array(np.random.default_rng(0).random((64, 48)), chunks=(16, 48))
+    renamed = 0
+    for y in [da.linalg.svd(x)[1], x.map_overlap(lambda b: b * 2, depth=1) + 1]:
+        graph, keys = y.__dask_graph__(), y.__dask_keys__()
+        chunks = ChunkInfo.from_graph(graph)
+        original = task_spec_dict(dask_optimize(graph, keys))
+        dsk = split_mixed_tasks(original, chunks)
+        described = _Described(dsk, keys, describe_graph(dsk, chunks, profile), profile)
+        rewritten = rewrite_graph(dsk, described.place(settings), described.description,
+                                  original, flatten_keys(keys), how)
+        assert rewritten.renames
+        renamed += len(rewritten.renames)
+        back = {new: old for old, new in rewritten.renames.items()}
+        kept = [back.get(k, k) for k in dict(rewritten.graph) if back.get(k, k) in dsk]
+        kept_set = set(kept)
+        assert kept == [k for k in dsk if k in kept_set]
+    assert renamed > 2
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_task_constructor_matches_dasks(monkeypatch, fast):
     """graph.new_task fills in the attributes Dask 2026.8's constructor sets; under another
