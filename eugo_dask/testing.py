@@ -175,6 +175,31 @@ class ProcessCluster:
             log.close()
 
 
+def _listening_scheduler(log_dir: Path, env: dict[str, str], preload_plugin: bool,
+                         scheduler_env: dict[str, str]) -> ProcessCluster:
+    """A scheduler process listening on a free port: started again on another port where
+    another process took the first before the scheduler bound it (three tries); each wait
+    bounded."""
+    for _ in range(3):
+        port = free_port()
+        cluster = ProcessCluster(f"tcp://127.0.0.1:{port}", log_dir, env=env)
+        args = ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address",
+                ":0", "--no-show"]
+        if preload_plugin:
+            args += ["--preload", "eugo_dask.plugin"]
+        cluster._start("scheduler", args, scheduler_env)
+        deadline = time.monotonic() + 60
+        while cluster.procs["scheduler"].poll() is None and time.monotonic() < deadline:
+            if "Scheduler at:" in (log_dir / "scheduler.log").read_text():
+                return cluster
+            time.sleep(0.1)
+        logs = cluster.logs()
+        cluster.close()
+        if "Address already in use" not in logs:
+            raise RuntimeError(f"the scheduler did not start:\n{logs}")
+    raise RuntimeError(f"the scheduler found no free port in three tries:\n{logs}")
+
+
 @contextlib.contextmanager
 def process_cluster(log_dir: Path, *, workers: dict[str, dict[str, Any]],
                     preload_plugin: bool = True, wait_for: int | None = None,
@@ -188,16 +213,13 @@ def process_cluster(log_dir: Path, *, workers: dict[str, dict[str, Any]],
     with its logs."""
     from distributed import Client
 
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*pythonpath, env.get("PYTHONPATH")]))
-    cluster = ProcessCluster(f"tcp://127.0.0.1:{port}", Path(log_dir), env=env)
+    cluster = _listening_scheduler(Path(log_dir), env, preload_plugin, scheduler_env or {})
     try:
-        args = ["scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address",
-                ":0", "--no-show"]
-        if preload_plugin:
-            args += ["--preload", "eugo_dask.plugin"]
-        cluster._start("scheduler", args, scheduler_env or {})
+        # (workers start once the scheduler listens: a worker's own server, on a port of the
+        # system's choosing, could otherwise take the scheduler's, and a client would then
+        # connect to it and wait for a handshake that never comes)
         for name, options in workers.items():
             cluster.add_worker(name, **options)
         client = None

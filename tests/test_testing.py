@@ -111,3 +111,25 @@ def test_gen_cluster_runs_eugo_when_distributed_utils_test_is_imported_first(tmp
                          timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "1 passed" in out.stdout
+
+
+def test_process_cluster_starts_its_scheduler_again_where_its_port_was_taken(tmp_path,
+                                                                              monkeypatch):
+    """A port found free can be taken before the scheduler binds it (a worker's own server
+    took one in CI, and the client then waited on it for a handshake): the scheduler starts
+    again on another port, and the workers start once it listens."""
+    import socket
+
+    from eugo_dask import testing
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        ports = [taken_port]
+        free_port = testing.free_port
+        monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else free_port())
+        with testing.process_cluster(tmp_path, workers={"cpu": {}}) as (cluster, client):
+            assert not ports  # the taken port was tried first
+            assert cluster.address != f"tcp://127.0.0.1:{taken_port}"
+            assert client.submit(sum, [1, 2]).result(timeout=30) == 3
