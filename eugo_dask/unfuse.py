@@ -46,21 +46,19 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
     def mixed(node: GraphNode) -> bool:
         """Whether ``node`` is a fused task whose parts mix device and CPU-only work (asked
         once per inner graph: a blockwise layer's tasks share theirs)."""
-        if type(node) is not Task or node.func is not FUSED_FUNC:
+        if type(node) is not Task or node.func is not FUSED_FUNC:  # (is_fused, narrowing)
             return False
-        inner = node.args[FUSED_INNER]
+        inner = node.args[FUSED_INNER]  # (no Fused made: once per task of large graphs)
         families = families_of.get(id(inner))
         if families is None:
             families = families_of[id(inner)] = task_families(node)
         return bool(families & GPU_FAMILIES and families & CPU_ONLY_FAMILIES)
 
-    # (once per task of graphs a million tasks large: no Fused made for the tasks left alone)
     pending = [(key, node) for key, node in dsk.items() if mixed(node)]
     while pending:  # what a split exposes (a blockwise task inside a linear chain) is split too
         key, node = pending.pop()
         parts = fused(node)
-        if parts is None or not mixed(node):
-            continue
+        assert parts is not None  # (mixed)
         families = families_of[id(parts.inner)]
         if not parts.is_blockwise:
             if out is None:
@@ -69,7 +67,7 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
             if key not in exposed:  # (a nested fused task may carry the outer task's key)
                 exposed[key] = Alias(key, parts.outkey)
             out.update(exposed)
-            pending.extend(exposed.items())
+            pending.extend((k, n) for k, n in exposed.items() if mixed(n))
         elif IO in families:
             if id(parts.inner) not in templates:
                 templates[id(parts.inner)] = _read_template(parts)
