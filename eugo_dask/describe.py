@@ -41,7 +41,7 @@ from eugo_dask.graph import (
     key_name,
 )
 from eugo_dask.history import RuntimeHistory
-from eugo_dask.ops import CPU, CREATION, DATA, GPU, classify_node
+from eugo_dask.ops import CPU, CREATION, DATA, GPU, IO, classify_node
 from eugo_dask.profile import Profile
 from eugo_dask.runtime import is_eugo_callable
 from eugo_dask.shapes import UNKNOWN_ARRAY, infer_step
@@ -193,7 +193,9 @@ def _flat(values: list[Value]) -> list[Value]:
     return out
 
 
-_HASHABLE_AS_IS = (ArraySpec, str, type(None))
+_HASHABLE_AS_IS = frozenset({ArraySpec, str, type(None)})
+#: Numbers: kept with their type (see :func:`_freeze`).
+_NUMBERS = frozenset({int, float, bool, complex})
 #: Random state a creation task draws from (a chunk's own seed): the chunk's shape, dtype and
 #: cost do not depend on it.
 _RANDOM_STATE = (np.random.SeedSequence, np.random.BitGenerator, np.random.Generator,
@@ -206,12 +208,15 @@ def _freeze(value: Any) -> Any:
 
     Values that compare equal across types (``1 == 1.0 == True == np.float32(1)``) give
     results of different dtypes (``x + 1`` against ``x + 1.0``): they keep their type."""
-    if type(value) in _HASHABLE_AS_IS or value is UNKNOWN_ARRAY:
+    kind = type(value)
+    if kind in _HASHABLE_AS_IS or value is UNKNOWN_ARRAY:
         return value
+    if kind in _NUMBERS:
+        return (kind, value)
     if isinstance(value, slice):
         return ("slice", _freeze(value.start), _freeze(value.stop), _freeze(value.step))
     if isinstance(value, tuple):
-        return tuple(_freeze(v) for v in value)
+        return tuple([_freeze(v) for v in value])
     if isinstance(value, list):
         return ("list", *(_freeze(v) for v in value))
     if isinstance(value, dict) and len(value) <= 8:  # keywords passed on as one argument
@@ -254,6 +259,7 @@ class TaskDescriber:
                                                      Value]] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
         self._results: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
+        self._read_steps: dict[tuple[str, tuple[ArraySpec, ...]], tuple[Step, ...]] = {}
 
     def _structure(self, parts: Fused) -> _Structure:
         # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
@@ -286,6 +292,11 @@ class TaskDescriber:
             structure = self._structure(parts)
             follow_key: tuple[Any, ...] = (structure.follow_id, *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
+        elif classify_node(node)[0] == IO:
+            # A read: no shape rule follows it (its chunk is the annotation's), so its step
+            # depends on its function and the arrays among its arguments alone, not on the
+            # indexes that differ from chunk to chunk (nothing to share by those)
+            return (*self._read(key, node, deps, values), False)
         else:  # one function: its own arguments are all there is to follow
             follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
             if node.kwargs:
@@ -309,7 +320,33 @@ class TaskDescriber:
                 _follow([(key, node)], env, steps, embedded)
                 value = env.get(key)
             followed = self._followed[follow_key] = (tuple(steps), tuple(embedded), value)
-        steps_t, embedded_t, inferred = followed
+        result = self._estimated(key, parts, inputs, *followed)
+        # where the result follows from the inputs (the annotation only confirms the dtype),
+        # it is the same for every chunk of the layer with these inputs
+        shared = isinstance(followed[2], ArraySpec)
+        if shared:
+            self._results[(follow_key, layer)] = result
+        return (*result, shared)
+
+    def _read(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
+              ) -> tuple[Estimate, ArraySpec | None, Value]:
+        """:meth:`describe` of a task of the IO family: what following it would give (one
+        step, the arrays it reads, an unknown result) without following it."""
+        family, name = classify_node(node)
+        ins = tuple([v for v in _flat([_resolve(a, values) for a in node.args])
+                     if isinstance(v, ArraySpec)])
+        steps = self._read_steps.get((name, ins))
+        if steps is None:
+            steps = self._read_steps[(name, ins)] = (
+                Step(Op(family, name, max(1, len(ins))), ins, None, None),)
+        inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
+        return self._estimated(key, None, inputs, steps, (), UNKNOWN_ARRAY)
+
+    def _estimated(self, key: Key, parts: Fused | None, inputs: dict[Key, Value],
+                   steps_t: tuple[Step, ...], embedded_t: tuple[ArraySpec, ...],
+                   inferred: Value) -> tuple[Estimate, ArraySpec | None, Value]:
+        """The estimate, the output spec and what the task hands on, from what following its
+        operations gave (``steps_t``, ``embedded_t``, ``inferred``)."""
         out = self._output_spec(key, parts, inferred)
         known = [v for v in inputs.values() if isinstance(v, ArraySpec)]
         unknown_input = any(v is UNKNOWN_ARRAY for v in inputs.values())
@@ -329,13 +366,7 @@ class TaskDescriber:
             if self.history is not None:
                 estimate = _learned(estimate, self.history)
             self._estimates[cache_key] = estimate
-        result = (estimate, out, out if out is not None else inferred)
-        # where the result follows from the inputs (the annotation only confirms the dtype),
-        # it is the same for every chunk of the layer with these inputs
-        shared = isinstance(inferred, ArraySpec)
-        if shared:
-            self._results[(follow_key, layer)] = result
-        return (*result, shared)
+        return (estimate, out, out if out is not None else inferred)
 
     def _output_spec(self, key: Key, parts: Fused | None, inferred: Value) -> ArraySpec | None:
         """The task's result: the collection's annotation where it agrees with what the

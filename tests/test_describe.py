@@ -43,6 +43,25 @@ def _legacy_random_with_edges():
     return x[::2].std(axis=1) + da.ones(50, chunks=7, dtype="i2")
 
 
+class _Stored:
+    """An h5py- or zarr-like array: read by slicing, not a NumPy array."""
+
+    def __init__(self, array):
+        self.array, self.shape, self.dtype, self.ndim = array, array.shape, array.dtype, array.ndim
+
+    def __getitem__(self, index):
+        return self.array[index]
+
+    def __dask_tokenize__(self):
+        return ("stored", self.shape)
+
+
+def _reads_with_edges():
+    # reads of a stored array fused with device work (split off again), chunks of four shapes
+    x = da.from_array(_Stored(np.random.default_rng(4).random((100, 70))), chunks=(30, 20))
+    return (da.exp(x) @ x.T).sum(axis=0)
+
+
 def _described(collection):
     graph, keys = collection.__dask_graph__(), collection.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
@@ -75,6 +94,24 @@ def test_chunks_share_the_work_of_their_description_not_its_answer(h200_server, 
     assert shared.estimates == alone.estimates
     assert shared.inputs == alone.inputs
     assert shared_follows * fewer <= alone_follows, (shared_follows, alone_follows)
+
+
+def test_reads_are_described_without_being_followed(h200_server, monkeypatch):
+    """A read of a stored array has no shape rule (its chunk is the annotation's): it is
+    described as following it would, each chunk priced at its own size, without following it
+    (a read per chunk, each with indexes of its own: nothing to share)."""
+    described, follows = _described(_reads_with_edges())
+    monkeypatch.setattr(describe_module, "IO", "no family")  # reads followed as other tasks
+    followed, all_follows = _described(_reads_with_edges())
+    reads = [k for k, e in described.estimates.items() if e.family == "io"]
+    assert len(reads) == 16  # (4 x 4 blocks, read once each)
+    assert described.estimates == followed.estimates
+    assert described.specs == followed.specs
+    assert follows == all_follows - len(reads)
+    shapes = {described.specs[k].shape for k in reads}
+    assert shapes == {(30, 20), (30, 10), (10, 20), (10, 10)}
+    for k in reads:
+        assert described.estimates[k].out_bytes == 8 * np.prod(described.specs[k].shape)
 
 
 def test_fused_graphs_of_one_shape_are_followed_once(h200_server):
