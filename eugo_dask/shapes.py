@@ -68,8 +68,9 @@ def _arrays(args: Sequence[Operand]) -> list[ArraySpec | UnknownArray]:
 
 
 def _standin(spec: ArraySpec) -> np.ndarray:
-    """A view with the chunk's shape and dtype and no memory behind it."""
-    return np.broadcast_to(np.empty((), dtype=spec.dtype), spec.shape)
+    """A view with the chunk's shape and dtype and no memory behind it: zeros (an index array
+    on a stand-in selects element 0, whatever memory the process had)."""
+    return np.broadcast_to(np.zeros((), dtype=spec.dtype), spec.shape)
 
 
 def _one(spec: ArraySpec) -> np.ndarray:
@@ -167,6 +168,9 @@ def _movement(name: str, func: Any, args: Sequence[Operand], kwargs: dict[str, A
             k = abs(int(args[1] if len(args) > 1 else kwargs.get("k", 0)))
             return ArraySpec((x.shape[0] + k,) * 2, x.dtype)
         name = "diagonal"
+    if name == "getitem" and any(isinstance(a, ArraySpec) and a.dtype == np.bool_
+                                 for a in args[1:]):
+        return None  # a boolean mask selects as many elements as it holds True: the data's to say
     if name in _VIEWS:
         standin_args = [_standin(a) if isinstance(a, ArraySpec) else a for a in args]
         view = func(*standin_args, **kwargs)

@@ -12,7 +12,7 @@ from dask.array.optimization import optimize as dask_optimize
 
 from eugo_dask import describe as describe_module
 from eugo_dask.describe import describe_graph
-from eugo_dask.graph import ChunkInfo, task_spec_dict
+from eugo_dask.graph import ArraySpec, ChunkInfo, task_spec_dict
 from eugo_dask.optimization import _current_settings, _profile
 from eugo_dask.unfuse import split_mixed_tasks
 
@@ -141,3 +141,30 @@ def test_one_inner_graph_serving_tasks_that_name_its_inputs_differently(h200_ser
     description = describe_graph(dsk, ChunkInfo({}), _profile(_current_settings()))
     assert description.specs["A"] == description.specs["B"] == ((10, 30), np.dtype("f8"))
     assert description.specs["C"] is None  # (its shapes do not multiply)
+
+
+def test_an_index_read_from_a_chunk_is_the_datas_to_say_not_the_stand_ins(h200_server):
+    """Shapes of views come from a stand-in chunk with no memory behind it. An integer index
+    array selects from it whatever it holds; a boolean mask selects as many elements as it
+    holds True, which only the data knows: unknown, as Dask's own chunks are, on every pass
+    (a stand-in of uninitialized memory gave 26 elements on one pass and 0 on the next)."""
+    import operator
+
+    from eugo_dask.ops import classify_func
+    from eugo_dask.shapes import infer_step
+
+    family, name = classify_func(operator.getitem)
+    values = ArraySpec((26, 3), np.dtype("f8"))
+    for _ in range(3):
+        mask = ArraySpec((26,), np.dtype(bool))
+        assert infer_step(family, name, operator.getitem, [values, mask], {}).out is None
+        index = ArraySpec((5,), np.dtype("i8"))
+        assert infer_step(family, name, operator.getitem, [values, index], {}).out == ArraySpec(
+            (5, 3), np.dtype("f8"))
+
+    stored = da.from_array(_Stored(np.arange(26 * 13).reshape(13, 26, 1) % 10), chunks=(1, 26, 1))
+    masked = stored[stored > 2].astype("f8")
+    first, _ = _described(masked[masked > 4])
+    second, _ = _described(masked[masked > 4])
+    assert first.estimates == second.estimates
+    assert all(spec is None or 0 not in spec.shape for spec in first.specs.values())
