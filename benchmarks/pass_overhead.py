@@ -12,6 +12,11 @@ are timed side by side in one run, alternating, best of N:
 Prints tasks, seconds, the ratios to Dask's optimization (goal <= 0.5) and eugo's microseconds
 per task (flat as the graph grows means linear).
 
+Then other shapes of graph, on one size each (the matmul pipeline is not the hardest case):
+reads of a stored (h5py- or zarr-like) array and random chunks, each through an elementwise chain
+into a mean (a chunk task per chunk: eugo writes a copy in, a device task and a copy back per
+chunk), and a ``map_overlap`` stencil with a function of the user's (which stays on the CPU).
+
 Then the same pipeline submitted to a distributed scheduler (a separate process, see
 ``_scheduler_submit.py``), plain, ``plan`` and ``rewrite``, each on a fresh cluster: how long the
 scheduler's event loop was blocked while it took the graph (Dask's optimization and eugo's pass
@@ -19,8 +24,10 @@ run in an offload thread that shares the GIL with the loop), the scheduler's ``u
 times and its peak memory growth, with eugo's loop blocking and memory as ratios to plain Dask's
 (goal: not much above 1).
 
-    python benchmarks/pass_overhead.py            # 2 to ~900,000 tasks; scheduler ~515,000
+    python benchmarks/pass_overhead.py            # 2 to ~1,070,000 tasks; scheduler ~515,000
     python benchmarks/pass_overhead.py --quick    # 2 to ~6,000 tasks; scheduler ~6,000
+
+Graph shapes are in ``SHAPES``.
 """
 
 from __future__ import annotations
@@ -50,8 +57,51 @@ def pipeline(blocks: int):
         return (np.exp(a @ a.T) + 1).sum(axis=0)
 
 
-def measure(blocks: int, repeat: int) -> dict:
-    x = pipeline(blocks)
+class StoredArray:
+    """An h5py- or zarr-like array: read by slicing, not a NumPy array."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.shape, self.dtype, self.ndim = array, array.shape, array.dtype, array.ndim
+
+    def __getitem__(self, index: object) -> np.ndarray:
+        return self.array[index]
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("stored", self.shape)
+
+
+def _chain_to_mean(a):
+    return (da.sin(da.exp(a) * 2 + a.T) ** 2).mean(axis=0)
+
+
+def reads(blocks: int):
+    """Reads of blocks x blocks chunks of a stored array through an elementwise chain."""
+    n = blocks * 8
+    return _chain_to_mean(da.from_array(StoredArray(np.ones((n, n))), chunks=8))
+
+
+def random_chunks(blocks: int):
+    """The same chain over random chunks."""
+    n = blocks * 8
+    return _chain_to_mean(da.random.default_rng(0).random((n, n), chunks=8))
+
+
+def stencil(blocks: int):
+    """``map_overlap`` with the user's own function, summed by rows."""
+    n = blocks * 8
+    a = da.random.default_rng(0).random((n, n), chunks=8)
+    return a.map_overlap(lambda block: block * 2, depth=1).sum(axis=1)
+
+
+#: name -> (graph builder, blocks per side: full, quick)
+SHAPES = {"reads": (reads, 160, 20), "random": (random_chunks, 160, 20),
+          "stencil": (stencil, 80, 12)}
+
+
+def measure(blocks: int, repeat: int, build=pipeline) -> dict:
+    with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
+        warnings.simplefilter("ignore", PerformanceWarning)
+        x = build(blocks)
     graph, keys = x.__dask_graph__(), x.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
     optimized = dask_optimize(graph, keys)
@@ -99,8 +149,8 @@ def _ratio(value: float, plain: float) -> str:
 
 def main() -> None:
     args = _common.parse_args(_common.benchmark_parser(__doc__))
-    # from one chunk (a pass's fixed costs: settings, profile, token) to ~900,000 tasks
-    sizes = [1, 2, 8, 16] if args.quick else [1, 2, 4, 16, 24, 48, 64, 88]
+    # from one chunk (a pass's fixed costs: settings, profile, token) to ~1,070,000 tasks
+    sizes = [1, 2, 8, 16] if args.quick else [1, 2, 4, 16, 24, 48, 64, 92]
     print(f"{'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} {'µs/task':>8} "
           f"{'rewrite s':>10} {'rewrite/dask':>13} {'µs/task':>8}")
     with dask.config.set(SETTINGS):
@@ -112,6 +162,13 @@ def main() -> None:
             print(f"{n:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} {r['plan'] / r['dask']:>10.2f} "
                   f"{1e6 * r['plan'] / n:>8.1f} {r['rewrite']:>10.4f} "
                   f"{r['rewrite'] / r['dask']:>13.2f} {1e6 * r['rewrite'] / n:>8.1f}", flush=True)
+        print(f"\nother shapes of graph\n{'shape':<8} {'tasks':>9} {'dask s':>8} {'plan s':>8} "
+              f"{'plan/dask':>10} {'rewrite s':>10} {'rewrite/dask':>13}")
+        for name, (build, full, quick) in SHAPES.items():
+            r = measure(quick if args.quick else full, 2 if args.quick else 3, build)
+            print(f"{name:<8} {r['tasks']:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} "
+                  f"{r['plan'] / r['dask']:>10.2f} {r['rewrite']:>10.4f} "
+                  f"{r['rewrite'] / r['dask']:>13.2f}", flush=True)
     print_submission(16 if args.quick else 72)
 
 
