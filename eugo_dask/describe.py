@@ -53,6 +53,8 @@ Value = Any
 
 def _resolve(arg: Any, env: Mapping[Key, Value]) -> Value:
     """A task argument as the shape rules see it."""
+    if type(arg) in _AS_IS:
+        return arg
     if type(arg) is TaskRef:
         return env.get(arg.key, UNKNOWN_ARRAY)
     if isinstance(arg, Alias):  # a reference to another task's result, as an argument
@@ -64,6 +66,11 @@ def _resolve(arg: Any, env: Mapping[Key, Value]) -> Value:
     if isinstance(arg, GraphNode):  # a task nested in an argument: not followed
         return UNKNOWN_ARRAY
     return _literal(arg)
+
+
+#: Types of argument that are neither graph nodes nor arrays: the shape rules see them as
+#: they are (the common literals, looked up at once).
+_AS_IS = frozenset({str, int, float, bool, type(None), tuple, slice, type})
 
 
 def _literal(value: Any) -> Value:
