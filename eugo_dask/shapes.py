@@ -19,12 +19,14 @@ the caller falls back on the collection's chunk annotations.
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from dask.array.chunk import astype as chunk_astype
 
 from eugo_dask.graph import ArraySpec
 from eugo_dask.ops import (
@@ -106,13 +108,15 @@ def infer_step(family: Family, name: str, func: Any, args: Sequence[Operand],
         return StepShape(None)
     known = [a for a in arrays if isinstance(a, ArraySpec)]
     try:
-        # The rules call NumPy on stand-ins (a cast of complex to real, a division by zero):
-        # what that warns is planning's, not the user's computation's (Dask's meta inference
-        # silences its own the same way)
-        with np.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        # The rules call NumPy on stand-ins: what they would warn is planning's, not the
+        # user's computation's. Floating-point errors are silenced per thread; a cast's dtype is
+        # read rather than tried (NumPy warns of a complex-to-real cast whatever the values).
+        # Not warnings.catch_warnings: it swaps the filters of every thread (other threads'
+        # warnings were lost while a graph was planned) and makes a warning already shown show
+        # again.
+        with np.errstate(all="ignore"):
             if family == ELEMENTWISE:
-                return StepShape(_elementwise(base, args, kwargs, known))
+                return StepShape(_elementwise(name, base, args, kwargs, known))
             if family == MOVEMENT:
                 return StepShape(_movement(name, base, args, kwargs, known))
             if family == MATMUL:
@@ -131,18 +135,39 @@ def infer_step(family: Family, name: str, func: Any, args: Sequence[Operand],
 # ---------------------------------------------------------------------------------------------
 # Elementwise and movement
 # ---------------------------------------------------------------------------------------------
-def _elementwise(func: Any, args: Sequence[Operand], kwargs: dict[str, Any],
+def _elementwise(name: str, func: Any, args: Sequence[Operand], kwargs: dict[str, Any],
                  known: list[ArraySpec]) -> ArraySpec | None:
     if not known:
         return None
     shape = np.broadcast_shapes(*(a.shape for a in known))
-    # the dtype NumPy gives: the function on 0-d ones of the operands' dtypes
-    probe_args = [_one(a) if isinstance(a, ArraySpec) else a for a in args]
-    result = func(*probe_args, **kwargs)
-    dtype = getattr(result, "dtype", None)
+    dtype = _cast_dtype(func, kwargs) if name == "astype" else None
+    if dtype is None:
+        # the dtype NumPy gives: the function on 0-d ones of the operands' dtypes
+        probe_args = [_one(a) if isinstance(a, ArraySpec) else a for a in args]
+        result = func(*probe_args, **kwargs)
+        dtype = getattr(result, "dtype", None)
     if dtype is None:
         dtype = np.result_type(*(a.dtype for a in known))
     return ArraySpec(tuple(int(s) for s in shape), np.dtype(dtype))
+
+
+def _cast_dtype(func: Any, kwargs: dict[str, Any]) -> np.dtype[Any] | None:
+    """The dtype a cast asks for: Dask's ``astype`` chunk function (``astype_dtype=``) or
+    ``methodcaller("astype", dtype)``; None for another form of cast."""
+    if func is chunk_astype:
+        target = kwargs.get("astype_dtype")
+    elif isinstance(func, operator.methodcaller):
+        # (methodcaller, ("astype", dtype, ...)), or with keywords
+        # (partial(methodcaller, "astype", **keywords), (dtype, ...))
+        reduced: Any = func.__reduce__()
+        maker, positional = reduced[0], reduced[1]
+        if isinstance(maker, functools.partial):
+            target = positional[0] if positional else maker.keywords.get("dtype")
+        else:
+            target = positional[1] if len(positional) > 1 else None
+    else:
+        return None
+    return np.dtype(target) if target is not None else None
 
 
 #: Movement functions whose result is a view: NumPy on a stand-in gives the shape for free.

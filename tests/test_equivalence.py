@@ -264,3 +264,30 @@ def test_one_chunk_read_is_split_from_its_compute(emulated):
     result = x.compute(scheduler="sync")
     np.testing.assert_allclose(result, np.fft.fft2(data), rtol=1e-4, atol=1e-3)
     assert eugo_dask.device_stats()["tasks"] == 1
+
+
+def _warnings_shown_over_three_computes(settings):
+    """Python's default filters: a warning shows once per place in the code."""
+    shown = []
+    with dask.config.set(settings), warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = lambda message, category, *args, **kwargs: shown.append(category)
+        roots = np.sqrt(da.from_array(-np.ones((40, 30)), chunks=(20, 15)))
+        cast = da.from_array(np.ones((40, 30)) * (1 + 1j), chunks=(20, 15)).astype("f8")
+        for _ in range(3):
+            roots.compute(scheduler="sync")
+            cast.compute(scheduler="sync")
+    return shown
+
+
+@pytest.mark.parametrize("min_speedup", [2.0, 0])  # (2.0: the default)
+def test_planning_leaves_warnings_already_shown_alone(emulated, min_speedup):
+    """Each warning shows on the first compute only, with eugo on as without it: planning
+    neither warns of its own nor makes a warning already shown show again (the pass used
+    warnings.catch_warnings, which resets every module's record of what it has shown, and
+    swaps the filters under other threads)."""
+    plain = _warnings_shown_over_three_computes({"optimizations": []})
+    assert sorted(map(str, plain)) == sorted(map(str, [RuntimeWarning, np.exceptions.ComplexWarning]))
+    eugo_dask.reset_device_stats()
+    assert _warnings_shown_over_three_computes({"eugo.min-speedup": min_speedup}) == plain
+    assert (eugo_dask.device_stats()["tasks"] > 0) == (min_speedup == 0)  # (the device ran)
