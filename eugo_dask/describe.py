@@ -41,7 +41,7 @@ from eugo_dask.graph import (
     key_name,
 )
 from eugo_dask.history import RuntimeHistory
-from eugo_dask.ops import CPU, CREATION, DATA, GPU, IO, classify_node
+from eugo_dask.ops import CPU, CREATION, DATA, GPU, IO, Family, classify_node
 from eugo_dask.profile import Profile
 from eugo_dask.runtime import is_eugo_callable
 from eugo_dask.shapes import UNKNOWN_ARRAY, infer_step
@@ -299,11 +299,11 @@ class TaskDescriber:
             structure = self._structure(parts)
             follow_key: tuple[Any, ...] = (structure.follow_id, *map(_freeze, env_values))
             layer = parts.outkey[0] if type(parts.outkey) is tuple else key_name(key)
-        elif classify_node(node)[0] == IO:
+        elif (op := classify_node(node))[0] == IO:
             # A read: no shape rule follows it (its chunk is the annotation's), so its step
             # depends on its function and the arrays among its arguments alone, not on the
             # indexes that differ from chunk to chunk (nothing to share by those)
-            return (*self._read(key, node, deps, values), False)
+            return (*self._read(key, node, op, deps, values), False)
         else:  # one function: its own arguments are all there is to follow
             follow_key = (id(node.func), *[_freeze(_resolve(a, values)) for a in node.args])
             if node.kwargs:
@@ -335,11 +335,12 @@ class TaskDescriber:
             self._results[(follow_key, layer)] = result
         return (*result, shared)
 
-    def _read(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
-              ) -> tuple[Estimate, ArraySpec | None, Value]:
-        """:meth:`describe` of a task of the IO family: what following it would give (one
-        step, the arrays it reads, an unknown result) without following it."""
-        family, name = classify_node(node)
+    def _read(self, key: Key, node: Task, op: tuple[Family, str], deps: frozenset[Key],
+              values: Mapping[Key, Value]) -> tuple[Estimate, ArraySpec | None, Value]:
+        """:meth:`describe` of a task of the IO family (``op``: its family and name): what
+        following it would give (one step, the arrays it reads, an unknown result) without
+        following it."""
+        family, name = op
         ins = tuple([v for v in _flat([_resolve(a, values) for a in node.args])
                      if isinstance(v, ArraySpec)])
         steps = self._read_steps.get((name, ins))

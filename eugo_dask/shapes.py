@@ -167,7 +167,10 @@ def _cast_dtype(func: Any, kwargs: dict[str, Any]) -> np.dtype[Any] | None:
             target = positional[1] if len(positional) > 1 else None
     else:
         return None
-    return np.dtype(target) if target is not None else None
+    if target is None:
+        return None
+    dtype = np.dtype(target)
+    return dtype if dtype.itemsize else None  # ("U", "S": NumPy sizes them from the values)
 
 
 #: Movement functions whose result is a view: NumPy on a stand-in gives the shape for free.

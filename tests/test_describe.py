@@ -168,3 +168,29 @@ def test_an_index_read_from_a_chunk_is_the_datas_to_say_not_the_stand_ins(h200_s
     second, _ = _described(masked[masked > 4])
     assert first.estimates == second.estimates
     assert all(spec is None or 0 not in spec.shape for spec in first.specs.values())
+
+
+def test_a_cast_is_read_not_tried():
+    """A cast's dtype is read from the task (NumPy warns of casting complex to real whatever
+    the values: trying it on a probe warned during planning); an unsized one (``"U"``) is
+    what NumPy makes of it."""
+    import operator
+    import warnings
+
+    from dask.array.chunk import astype
+
+    from eugo_dask.ops import ELEMENTWISE
+    from eugo_dask.shapes import infer_step
+
+    complex_chunk = ArraySpec((3, 2), np.dtype("c16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for func, kwargs in [(astype, {"astype_dtype": "f4"}),
+                             (operator.methodcaller("astype", "f4"), {}),
+                             (operator.methodcaller("astype", "f4", copy=False), {}),
+                             (operator.methodcaller("astype", dtype="f4"), {})]:
+            step = infer_step(ELEMENTWISE, "astype", func, [complex_chunk], kwargs)
+            assert step.out == ArraySpec((3, 2), np.dtype("f4")), func
+    text = infer_step(ELEMENTWISE, "astype", astype, [ArraySpec((3,), np.dtype("f8"))],
+                      {"astype_dtype": "U"})
+    assert text.out == ArraySpec((3,), np.ones((), "f8").astype("U").dtype)
