@@ -41,6 +41,7 @@ import numpy as np
 from _scheduler_submit import measure_submission
 from dask.array.core import PerformanceWarning
 from dask.array.optimization import optimize as dask_optimize
+from root_tasks import SyntheticRead
 
 from eugo_dask.graph import ChunkInfo
 from eugo_dask.optimization import eugo
@@ -57,27 +58,13 @@ def pipeline(blocks: int):
         return (np.exp(a @ a.T) + 1).sum(axis=0)
 
 
-class StoredArray:
-    """An h5py- or zarr-like array: read by slicing, not a NumPy array."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array, self.shape, self.dtype, self.ndim = array, array.shape, array.dtype, array.ndim
-
-    def __getitem__(self, index: object) -> np.ndarray:
-        return self.array[index]
-
-    def __dask_tokenize__(self) -> tuple:
-        return ("stored", self.shape)
-
-
 def _chain_to_mean(a):
     return (da.sin(da.exp(a) * 2 + a.T) ** 2).mean(axis=0)
 
 
 def reads(blocks: int):
     """Reads of blocks x blocks chunks of a stored array through an elementwise chain."""
-    n = blocks * 8
-    return _chain_to_mean(da.from_array(StoredArray(np.ones((n, n))), chunks=8))
+    return _chain_to_mean(da.from_array(SyntheticRead(blocks * 8), chunks=8))
 
 
 def random_chunks(blocks: int):

@@ -181,13 +181,22 @@ def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
         args = [_resolve(a, env) for a in node.args]
         kwargs = {k: _resolve(v, env) for k, v in node.kwargs.items()}
         inferred = infer_step(family, name, node.func, args, kwargs)
-        ins = tuple(a for a in _flat(args) if isinstance(a, ArraySpec))
         out = inferred.out if isinstance(inferred.out, ArraySpec) else None  # not a tuple
-        steps.append(Step(Op(family, name, max(1, len(ins))), ins, out, inferred.flops))
+        steps.append(_step(family, name, _arrays_in(args), out, inferred.flops))
         env[key] = inferred.out if inferred.out is not None else UNKNOWN_ARRAY
         if family == CREATION and out is not None:
             # made on the host inside a GPU task, then copied: priced as an embedded chunk
             embedded.append(out)
+
+
+def _arrays_in(args: list[Value]) -> tuple[ArraySpec, ...]:
+    """The arrays among an operation's arguments (as resolved): the inputs of its step."""
+    return tuple([a for a in _flat(args) if isinstance(a, ArraySpec)])
+
+
+def _step(family: Family, name: str, ins: tuple[ArraySpec, ...], out: ArraySpec | None,
+          flops: float | None) -> Step:
+    return Step(Op(family, name, max(1, len(ins))), ins, out, flops)
 
 
 def _flat(values: list[Value]) -> list[Value]:
@@ -266,7 +275,8 @@ class TaskDescriber:
                                                      Value]] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
         self._results: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
-        self._read_steps: dict[tuple[str, tuple[ArraySpec, ...]], tuple[Step, ...]] = {}
+        self._read_steps: dict[tuple[tuple[Family, str], tuple[ArraySpec, ...]],
+                               tuple[Step, ...]] = {}
 
     def _structure(self, parts: Fused) -> _Structure:
         # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
@@ -340,13 +350,10 @@ class TaskDescriber:
         """:meth:`describe` of a task of the IO family (``op``: its family and name): what
         following it would give (one step, the arrays it reads, an unknown result) without
         following it."""
-        family, name = op
-        ins = tuple([v for v in _flat([_resolve(a, values) for a in node.args])
-                     if isinstance(v, ArraySpec)])
-        steps = self._read_steps.get((name, ins))
-        if steps is None:
-            steps = self._read_steps[(name, ins)] = (
-                Step(Op(family, name, max(1, len(ins))), ins, None, None),)
+        ins = _arrays_in([_resolve(a, values) for a in node.args])
+        steps = self._read_steps.get((op, ins))
+        if steps is None:  # (one per read function and arrays read: the estimates' cache key)
+            steps = self._read_steps[(op, ins)] = (_step(*op, ins, None, None),)
         inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
         return self._estimated(key, None, inputs, steps, (), UNKNOWN_ARRAY)
 

@@ -16,6 +16,8 @@ from eugo_dask.graph import ArraySpec, ChunkInfo, task_spec_dict
 from eugo_dask.optimization import _current_settings, _profile
 from eugo_dask.unfuse import split_mixed_tasks
 
+from .test_equivalence import _LazyArray
+
 
 def _matmul_tree():
     # Dask's linear fusion gives each chunk of the contraction's tree reduction an inner
@@ -43,22 +45,9 @@ def _legacy_random_with_edges():
     return x[::2].std(axis=1) + da.ones(50, chunks=7, dtype="i2")
 
 
-class _Stored:
-    """An h5py- or zarr-like array: read by slicing, not a NumPy array."""
-
-    def __init__(self, array):
-        self.array, self.shape, self.dtype, self.ndim = array, array.shape, array.dtype, array.ndim
-
-    def __getitem__(self, index):
-        return self.array[index]
-
-    def __dask_tokenize__(self):
-        return ("stored", self.shape)
-
-
 def _reads_with_edges():
     # reads of a stored array fused with device work (split off again), chunks of four shapes
-    x = da.from_array(_Stored(np.random.default_rng(4).random((100, 70))), chunks=(30, 20))
+    x = da.from_array(_LazyArray(np.random.default_rng(4).random((100, 70))), chunks=(30, 20))
     return (da.exp(x) @ x.T).sum(axis=0)
 
 
@@ -162,7 +151,7 @@ def test_an_index_read_from_a_chunk_is_the_datas_to_say_not_the_stand_ins(h200_s
         assert infer_step(family, name, operator.getitem, [values, index], {}).out == ArraySpec(
             (5, 3), np.dtype("f8"))
 
-    stored = da.from_array(_Stored(np.arange(26 * 13).reshape(13, 26, 1) % 10), chunks=(1, 26, 1))
+    stored = da.from_array(_LazyArray(np.arange(26 * 13).reshape(13, 26, 1) % 10), chunks=(1, 26, 1))
     masked = stored[stored > 2].astype("f8")
     first, _ = _described(masked[masked > 4])
     second, _ = _described(masked[masked > 4])
