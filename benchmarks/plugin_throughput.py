@@ -50,7 +50,7 @@ class TimedPlugin(EugoSchedulerPlugin):
 
 def main() -> None:
     args = _common.parse_args(_common.benchmark_parser(__doc__))
-    blocks, rounds = (24, 3) if args.quick else (80, 5)
+    blocks, rounds = (27, 3) if args.quick else (91, 5)
     settings = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated",
                 "eugo.min-speedup": 0, "eugo.profile": {"base": "h200", "cpu": "server-x86"},
                 "distributed.admin.large-graph-warning-threshold": "1GB"}

@@ -229,14 +229,18 @@ def _freeze(value: Any) -> Any:
         return value
     if kind in _NUMBERS:
         return (kind, value)
+    if kind is tuple:  # (before the checks that take subclasses: a chunk's size, an index)
+        return tuple([_freeze(v) for v in value])
+    if kind is type:  # a class (dtype=np.float64): equal only to itself
+        return ("class", value)
     if isinstance(value, slice):
         return ("slice", _freeze(value.start), _freeze(value.stop), _freeze(value.step))
     if isinstance(value, tuple):
         return tuple([_freeze(v) for v in value])
     if isinstance(value, list):
-        return ("list", *(_freeze(v) for v in value))
+        return ("list", *[_freeze(v) for v in value])
     if isinstance(value, dict) and len(value) <= 8:  # keywords passed on as one argument
-        return ("dict", *((k, _freeze(v)) for k, v in value.items()))
+        return ("dict", *[(k, _freeze(v)) for k, v in value.items()])
     if isinstance(value, _RANDOM_STATE):
         return ("random state", type(value))
     try:
@@ -446,7 +450,8 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
     """The identity key under which ``describe_graph`` shares a task's description with the
     chunks of its layer: its function (a fused task's inner graph) and layer, and the very
     objects its arguments are (a dependency's: what ``values`` holds for it, a key from outside
-    the graph being an unknown array). None for a task with keyword arguments.
+    the graph being an unknown array; a wrapped literal's: its value, which chunks share where
+    each has its own ``DataNode``). None for a task with keyword arguments.
 
     A task nesting another one (a tree reduction's ``_chunk_sum(_identity_cast(Alias(k1),
     Alias(k2)))``) is described from its inputs and its own chunk's annotation, not from its
@@ -457,7 +462,8 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
         outkey = args[FUSED_OUTKEY]
         return (id(args[FUSED_INNER]), id(args[FUSED_INKEYS]),
                 outkey[0] if type(outkey) is tuple else key_name(key),
-                *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef else id(d)
+                *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef
+                  else id(d.value) if type(d) is DataNode else id(d)
                   for d in args[FUSED_DEPS:]])
     if node.kwargs:
         return None
@@ -469,6 +475,8 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
         elif type(a) is Task:  # (the shape rules do not follow it)
             same.append(_NESTED)
             nested = True
+        elif type(a) is DataNode:  # a literal wrapped per chunk: the value is what counts
+            same.append(id(a.value))
         else:
             same.append(id(a))
     if nested:

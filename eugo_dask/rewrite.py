@@ -7,12 +7,13 @@ For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
 - each input produced on the host gets one ``("eugo-todevice-<prefix>-name", ...)`` copy task, shared by all of
   its GPU consumers;
 - where an output or a CPU consumer needs NumPy, ``("eugo-tohost-<prefix>-name", i, j)`` copies the
-  result back and ``K`` becomes an alias of it; otherwise ``K`` disappears (its GPU consumers read
+  result back: an output ``K`` becomes an alias of it, any other ``K`` is renamed to it (its CPU
+  consumers read the copy); where nothing needs NumPy, ``K`` disappears (its GPU consumers read
   the device copy).
 
-Output keys, culling and persist keep working because every key a CPU consumer or the caller can
-see still exists and still holds NumPy. GPU and transfer tasks are annotated with the worker
-resource (``eugo.resource``) so a distributed scheduler can pin them; key prefixes start with
+Output keys, culling and persist keep working because every output key still exists and still
+holds NumPy. GPU and transfer tasks are annotated with the worker resource (``eugo.resource``)
+so a distributed scheduler can pin them; key prefixes start with
 ``eugo-gpu``/``eugo-todevice``/``eugo-tohost`` so the dashboard tells them apart.
 """
 
@@ -45,6 +46,15 @@ from eugo_dask.unfuse import task_families
 
 _KEY_OF = operator.attrgetter("key")
 _IS_REF = TaskRef.__instancecheck__  # isinstance(x, TaskRef), for map
+
+
+def _is_input(arg: Any) -> bool:
+    """A fused task's input the fast path of :func:`rewrite_graph` takes: a reference (to be
+    read from its device copy) or a literal (left as it is: ``DeviceCall`` copies an array
+    among its arguments to the device)."""
+    return isinstance(arg, (TaskRef, DataNode))
+
+
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
 GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
 
@@ -308,7 +318,8 @@ class _DeviceRefs(dict[Key, TaskRef]):
                 ref = TaskRef(prefixed_key(source, GPU_PREFIX, self.token))
             else:
                 key = prefixed_key(source, H2D_PREFIX, self.token)
-                self.out[key] = Task(key, to_device, TaskRef(source), self.device)
+                self.out[key] = new_task(key, to_device, (TaskRef(source), self.device), {},
+                                         frozenset([source]))
                 self.roles[key] = (TODEVICE_ROLE, None, None)
                 self.origin[key] = source
                 self.to_device_keys.append(key)
@@ -337,6 +348,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
     layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
 
+    copied_back: dict[Key, Key] = {}  # a key whose copy back took its place -> the copy's key
     on_device = _DeviceRefs(plan, targets, out, roles, origin, device, token)
     # The loop runs once per task of graphs a million tasks large: what one task of a layer
     # works out (its DeviceCall, its device name, its fused inner graph on the device), every
@@ -358,9 +370,11 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             inputs = args[FUSED_DEPS:]
             if all(map(_IS_REF, inputs)):  # (a distributed Future is a TaskRef too)
                 refs = list(map(device_copy, map(_KEY_OF, inputs)))
+            elif all(map(_is_input, inputs)):  # literals among them (a scalar operand)
+                refs = [device_copy(a.key) if _IS_REF(a) else a for a in inputs]
         if refs is not None:
-            # the common case, a fused task reading plain references, its inner graph shared
-            # by every chunk of a blockwise layer
+            # the common case, a fused task reading plain references (and literals), its
+            # inner graph shared by every chunk of a blockwise layer
             inner = args[FUSED_INNER]
             inner_on = inner_on_device.get(id(inner))
             if inner_on is None:
@@ -395,13 +409,18 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         on_device[key] = TaskRef(device_key)
         roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         if key in host_needed:
-            # the copy back gets a prefix of its own (the task stream tells it apart); the
-            # original key, which outputs and CPU consumers read, is an alias of it
+            # the copy back gets a prefix of its own (the task stream tells it apart)
             host_key = prefixed_key(key, D2H_PREFIX, token)
-            out[host_key] = Task(host_key, to_host, TaskRef(device_key), device)
+            copy_back = new_task(host_key, to_host, (TaskRef(device_key), device), {},
+                                 frozenset([device_key]))
             roles[host_key] = (TOHOST_ROLE, None, None)
             origin[host_key] = key
-            out[key] = Alias(key, host_key)
+            if key in outputs:  # the caller reads the original key: an alias of the copy
+                out[host_key] = copy_back
+                out[key] = Alias(key, host_key)
+            else:  # in the original key's place, which CPU consumers read under its name
+                out[key] = copy_back
+                copied_back[key] = host_key
         else:
             del out[key]
     # Aliases of results that stay on the device had only GPU consumers, now rewired.
@@ -410,7 +429,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token)
+    renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token,
+                                copied_back)
     graph = _renamed_graph(out, renames, readers)
     if renames:
         for old, new in renames.items():
@@ -429,10 +449,12 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
-             to_device_keys: list[Key], token: str) -> tuple[dict[Key, Key], list[Key]]:
+             to_device_keys: list[Key], token: str, copied_back: dict[Key, Key]
+             ) -> tuple[dict[Key, Key], list[Key]]:
     """New names for the original keys whose meaning changed: their task is not Dask's (split
-    from a fused task, turned into an alias of a copy back) or reads a renamed key. Keys eugo
-    wrote carry the token already; outputs keep their names (their values are Dask's).
+    from a fused task, replaced by a copy back) or reads a renamed key. Keys eugo
+    wrote carry the token already; outputs keep their names (their values are Dask's). A key
+    whose copy back took its place (``copied_back``) takes the copy's name.
 
     Also the keys whose task may read a renamed key, to be looked at again once the names are
     known: the original keys whose meaning changed, and the copies to the device (which read
@@ -447,6 +469,10 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
         node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
             changed.add(key)
+            copy_back = copied_back.get(key)
+            if copy_back is not None:
+                renames[key] = copy_back
+                continue
             readers.append(key)
             if key not in outputs:
                 renames[key] = renamed_key(key, token)
@@ -466,7 +492,8 @@ def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
         node = out[key]
         if key in renames or not renamed.isdisjoint(node.dependencies):
             changed[key] = _renamed_node(key, node, renames)
-    return {renames.get(key, key): changed.get(key, node) for key, node in out.items()}
+    # (renames.get(key, key) and changed.get(key, node) for every key, mapped in C)
+    return dict(zip(map(renames.get, out, out), map(changed.get, out, out.values())))
 
 
 def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNode:

@@ -72,6 +72,37 @@ def test_matmul_add_sum_placement(emulated):
         assert key_split(source) == "eugo-gpu-chunk-sum-aggregate-sum"
 
 
+def test_copy_back_read_on_the_cpu_takes_its_keys_place(emulated):
+    """A device result that CPU tasks read is copied back under the copy's own key, which the
+    CPU tasks read directly (no alias between: one task less per chunk); an output keeps its
+    key, an alias of its copy back."""
+    from dask.core import flatten
+
+    from eugo_dask.runtime import to_host
+
+    x = matmul_add_sum()
+    dsk = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+    copies = {k for k, v in dsk.items() if getattr(v, "func", None) is to_host}
+    assert len(copies) == 3 * 2
+    with dask.config.set(optimizations=[]):
+        plain = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+    # (Dask's linear fusion leaves aliases of its own: those stay, renamed where they read a
+    # renamed key; the rewrite adds none)
+    assert sum(isinstance(v, Alias) for v in dsk.values()) == sum(
+        isinstance(v, Alias) for v in plain.values())
+    read = set().union(*[v.dependencies for v in dsk.values()])
+    assert copies <= read
+
+    y = da.exp(da.from_array(A, chunks=100))
+    graph = dict(y.__dask_optimize__(y.__dask_graph__(), y.__dask_keys__()))
+    outputs = list(flatten(y.__dask_keys__()))
+    for key in outputs:
+        assert isinstance(graph[key], Alias)
+        assert graph[graph[key].target].func is to_host
+    assert_eq(y.compute(scheduler="sync"), np.exp(A))
+    assert_eq(x.compute(scheduler="sync"), (A @ B + 1).sum())
+
+
 def test_gpu_tasks_carry_resource_and_role_annotations(emulated):
     x = matmul_add_sum()
     with dask.config.set({"eugo.resource": "CUDA"}):
@@ -100,16 +131,17 @@ def test_gpu_tasks_carry_resource_and_role_annotations(emulated):
 
 
 def test_rewritten_tasks_are_what_dasks_constructor_makes(emulated):
-    # the rewrite makes its device tasks with their dependencies already worked out
-    # (graph.new_task): each must equal Task(...) built from the same parts
+    # the rewrite makes its device tasks and copies with their dependencies already worked
+    # out (graph.new_task): each must equal Task(...) built from the same parts
     from dask._task_spec import Task
 
     a = da.from_array(A, chunks=100)
     x = (da.exp(a) @ a.T + da.ones((300, 300), chunks=100)).sum(axis=0) + a.sum()
     graph = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
-    device_tasks = [v for k, v in graph.items() if key_split(k).startswith("eugo-gpu")]
-    assert len(device_tasks) > 10
-    for task in device_tasks:
+    written = [v for k, v in graph.items() if key_split(k).startswith("eugo-")]
+    kinds = {key_split(task.key).split("-")[1] for task in written}
+    assert kinds == {"gpu", "todevice", "tohost"} and len(written) > 10
+    for task in written:
         rebuilt = Task(task.key, task.func, *task.args, _data_producer=task.data_producer,
                        **task.kwargs)
         assert task.dependencies == rebuilt.dependencies, task.key
