@@ -55,6 +55,12 @@ def _is_input(arg: Any) -> bool:
     return isinstance(arg, (TaskRef, DataNode))
 
 
+def _copy_task(key: Key, copy: Any, source: Key, device: str) -> Task:
+    """``Task(key, copy, TaskRef(source), device)``, a copy to or from the device, made with its
+    one dependency known."""
+    return new_task(key, copy, (TaskRef(source), device), {}, frozenset([source]))
+
+
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
 GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
 
@@ -318,8 +324,7 @@ class _DeviceRefs(dict[Key, TaskRef]):
                 ref = TaskRef(prefixed_key(source, GPU_PREFIX, self.token))
             else:
                 key = prefixed_key(source, H2D_PREFIX, self.token)
-                self.out[key] = new_task(key, to_device, (TaskRef(source), self.device), {},
-                                         frozenset([source]))
+                self.out[key] = _copy_task(key, to_device, source, self.device)
                 self.roles[key] = (TODEVICE_ROLE, None, None)
                 self.origin[key] = source
                 self.to_device_keys.append(key)
@@ -411,8 +416,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if key in host_needed:
             # the copy back gets a prefix of its own (the task stream tells it apart)
             host_key = prefixed_key(key, D2H_PREFIX, token)
-            copy_back = new_task(host_key, to_host, (TaskRef(device_key), device), {},
-                                 frozenset([device_key]))
+            copy_back = _copy_task(host_key, to_host, device_key, device)
             roles[host_key] = (TOHOST_ROLE, None, None)
             origin[host_key] = key
             if key in outputs:  # the caller reads the original key: an alias of the copy
