@@ -492,11 +492,8 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     specs feeding outputs'."""
     targets = alias_targets(dsk)
     resolve = targets.get  # an alias's final target, in one dict access on the hot path
-    ordered, cells = dependency_order(dsk)
-    order = [cell[1] for cell in ordered]
-    # the tasks that read an alias (few): what they read is the aliases' targets
-    alias_readers = {reader[1] for alias in targets for reader in cells[alias][3]}
-    del cells
+    ordered = dependency_order(dsk)
+    order = [k for k, _ in ordered]
     describer = TaskDescriber(chunks, profile, history)
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
@@ -513,7 +510,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     # layer's chunks of one shape share one spec object, and everything compared is kept alive
     # by the graph or by ``values`` until the walk ends), without hashing what they hold.
     shared: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
-    for _, k, node, _ in ordered:
+    for k, node in ordered:
         if type(node) is Task:
             func = node.func
             written = ours.get(id(func))
@@ -524,8 +521,9 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 undescribed.append((k, node))
                 continue
             deps = node.dependencies
+            # (what a task reading an alias reads is the alias's target)
             inputs.append(frozenset([resolve(d, d) for d in deps])
-                          if alias_readers and k in alias_readers else deps)
+                          if targets and not targets.keys().isdisjoint(deps) else deps)
             same = _same_inputs(k, node, deps, values, chunks)
             answer = shared.get(same) if same is not None else None
             if answer is None:

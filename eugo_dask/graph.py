@@ -322,15 +322,61 @@ def alias_targets(dsk: Graph) -> dict[Key, Key]:
     return {a: follow(a) for a in aliases}
 
 
-def dependency_order(dsk: Graph) -> tuple[list[list[Any]], dict[Key, list[Any]]]:
-    """Every key of ``dsk`` after its dependencies (Kahn's algorithm, last ready first), as
-    cells ``[_, key, node, dependents]`` (``dependents``: the cells of the keys that read it),
-    in that order and by key.
+def dependency_order(dsk: Graph) -> list[tuple[Key, GraphNode]]:
+    """Every key of ``dsk`` with its node, each after its dependencies.
 
     Once per key of graphs a million keys large, where a lookup in a dict that size is what
-    costs: one lookup per edge, none per key ordered (a cell lists its dependents' cells), and
-    the walk that follows gets each node with its key."""
-    cells = {k: [0, k, node, []] for k, node in dsk.items()}  # [deps not yet ordered, ...]
+    costs. A Dask graph is layers of chunk tasks named by their layer (``("name", i, j)``), a
+    layer reading others but not itself: the layers are ordered (a walk over a few dozen names)
+    and each one's keys follow in the graph's order, with no lookup by key at all. Where a layer
+    reads its own keys (``cumsum``'s running totals) or layers read each other, key by key."""
+    by_layer = _layer_order(dsk)
+    return by_layer if by_layer is not None else _key_order(dsk)
+
+
+def _layer_order(dsk: Graph) -> list[tuple[Key, GraphNode]] | None:
+    """:func:`dependency_order` layer by layer; None where a layer reads itself, or layers read
+    each other."""
+    layers: dict[Any, list[tuple[Key, GraphNode]]] = {}
+    reads: dict[Any, set[Any]] = {}  # a layer -> the layers (or keys from outside) it reads
+    for item in dsk.items():
+        key = item[0]
+        name = key[0] if type(key) is tuple else key
+        members = layers.get(name)
+        if members is None:
+            members, read = layers[name], reads[name] = [], set()
+        else:
+            read = reads[name]
+        members.append(item)
+        deps = item[1].dependencies
+        if deps:
+            read.update([d[0] if type(d) is tuple else d for d in deps])
+    waiting = {}  # a layer -> how many layers it reads are not ordered yet
+    readers: dict[Any, list[Any]] = {name: [] for name in layers}
+    for name, read in reads.items():
+        if name in read:
+            return None
+        inside = [r for r in read if r in layers]
+        waiting[name] = len(inside)
+        for r in inside:
+            readers[r].append(name)
+    ready = [name for name, n in waiting.items() if not n]
+    order: list[tuple[Key, GraphNode]] = []
+    while ready:
+        name = ready.pop()
+        order += layers[name]
+        for reader in readers[name]:
+            waiting[reader] -= 1
+            if not waiting[reader]:
+                ready.append(reader)
+    return order if len(order) == len(dsk) else None
+
+
+def _key_order(dsk: Graph) -> list[tuple[Key, GraphNode]]:
+    """:func:`dependency_order` key by key (Kahn's algorithm, last ready first): one lookup
+    per edge, none per key ordered (a cell ``[deps not yet ordered, key, node, dependents]``
+    lists its dependents' cells)."""
+    cells = {k: [0, k, node, []] for k, node in dsk.items()}
     cell_of = cells.get
     for cell in cells.values():
         for d in cell[2].dependencies:
@@ -342,14 +388,14 @@ def dependency_order(dsk: Graph) -> tuple[list[list[Any]], dict[Key, list[Any]]]
     order = []
     while ready:
         cell = ready.pop()
-        order.append(cell)
+        order.append((cell[1], cell[2]))
         for dependent in cell[3]:
             dependent[0] -= 1
             if not dependent[0]:
                 ready.append(dependent)
     if len(order) != len(cells):
         raise ValueError("eugo: the graph has a cycle; it cannot be planned")
-    return order, cells
+    return order
 
 
 def flatten_keys(keys: Any) -> set[Key]:

@@ -183,3 +183,76 @@ def test_a_cast_is_read_not_tried():
     text = infer_step(ELEMENTWISE, "astype", astype, [ArraySpec((3,), np.dtype("f8"))],
                       {"astype_dtype": "U"})
     assert text.out == ArraySpec((3,), np.ones((), "f8").astype("U").dtype)
+
+
+def _assert_dependency_order(dsk, ordered):
+    keys = [k for k, _ in ordered]
+    assert sorted(map(str, keys)) == sorted(map(str, dsk))
+    assert all(dsk[k] is node for k, node in ordered)
+    position = {k: i for i, k in enumerate(keys)}
+    for k, node in ordered:
+        assert all(position[d] < position[k] for d in node.dependencies if d in dsk), k
+
+
+@pytest.mark.parametrize("build", [_pipeline, _two_trees, _legacy_random_with_edges,
+                                   _reads_with_edges])
+def test_dask_graphs_are_ordered_layer_by_layer(build):
+    """Dask's graphs (layers that read other layers) are ordered a layer at a time, each
+    layer's keys in the graph's order: no lookup by key."""
+    from eugo_dask.graph import _layer_order, dependency_order
+
+    x = build()
+    graph, keys = x.__dask_graph__(), x.__dask_keys__()
+    dsk = split_mixed_tasks(task_spec_dict(dask_optimize(graph, keys)),
+                            ChunkInfo.from_graph(graph))
+    ordered = dependency_order(dsk)
+    assert _layer_order(dsk) == ordered
+    _assert_dependency_order(dsk, ordered)
+    name = [k[0] if type(k) is tuple else k for k, _ in ordered]
+    runs = [n for i, n in enumerate(name) if i == 0 or n != name[i - 1]]
+    assert len(runs) == len(set(name))  # each layer in one run
+    for layer in set(name):
+        assert [k for k, _ in ordered if (k[0] if type(k) is tuple else k) == layer] == \
+            [k for k in dsk if (k[0] if type(k) is tuple else k) == layer]
+
+
+def test_graphs_whose_layers_read_themselves_or_each_other_are_ordered_key_by_key():
+    """A layer that reads its own keys (cumsum's running totals), or two layers that read
+    each other key by key, cannot be ordered a layer at a time: key by key, still each key
+    after its dependencies; a cycle of keys raises."""
+    from dask._task_spec import Alias, DataNode, Task, TaskRef
+
+    from eugo_dask.graph import _layer_order, dependency_order
+
+    x = da.exp(da.random.default_rng(1).random((40, 30), chunks=10)).cumsum(axis=0)
+    dsk = split_mixed_tasks(task_spec_dict(dask_optimize(x.__dask_graph__(),
+                                                         x.__dask_keys__())),
+                            ChunkInfo.from_graph(x.__dask_graph__()))
+    assert _layer_order(dsk) is None
+    _assert_dependency_order(dsk, dependency_order(dsk))
+
+    crossed = {  # a reads b's first key, b's second key reads a: no cycle of keys
+        ("b", 1): Task(("b", 1), np.negative, TaskRef(("a", 0))),
+        ("a", 0): Task(("a", 0), np.exp, TaskRef(("b", 0))),
+        ("b", 0): DataNode(("b", 0), np.ones(3)),
+        "out": Alias("out", ("b", 1)),
+    }
+    assert _layer_order(crossed) is None
+    ordered = dependency_order(crossed)
+    _assert_dependency_order(crossed, ordered)
+    assert [k for k, _ in ordered].index(("a", 0)) < [k for k, _ in ordered].index(("b", 1))
+
+    cycle = {("a", 0): Task(("a", 0), np.exp, TaskRef(("b", 0))),
+             ("b", 0): Task(("b", 0), np.exp, TaskRef(("a", 0)))}
+    with pytest.raises(ValueError, match="cycle"):
+        dependency_order(cycle)
+
+
+def test_keys_from_outside_the_graph_are_not_waited_for():
+    from dask._task_spec import Task, TaskRef
+
+    from eugo_dask.graph import _layer_order
+
+    dsk = {("b", 0): Task(("b", 0), np.exp, TaskRef(("persisted", 0))),
+           ("c", 0): Task(("c", 0), np.add, TaskRef(("b", 0)), TaskRef("elsewhere"))}
+    assert [k for k, _ in _layer_order(dsk)] == [("b", 0), ("c", 0)]
