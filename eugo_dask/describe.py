@@ -494,6 +494,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     resolve = targets.get  # an alias's final target, in one dict access on the hot path
     ordered = dependency_order(dsk)
     order = [k for k, _ in ordered]
+    aliases = frozenset(targets)
     describer = TaskDescriber(chunks, profile, history)
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     estimates: dict[Key, Estimate] = {}
@@ -521,9 +522,10 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 undescribed.append((k, node))
                 continue
             deps = node.dependencies
-            # (what a task reading an alias reads is the alias's target)
+            # what a task reading an alias reads is the alias's target (two sets compared by
+            # the hashes they hold: a tuple key's hash is not kept, computing it costs)
             inputs.append(frozenset([resolve(d, d) for d in deps])
-                          if targets and not targets.keys().isdisjoint(deps) else deps)
+                          if aliases and not aliases.isdisjoint(deps) else deps)
             same = _same_inputs(k, node, deps, values, chunks)
             answer = shared.get(same) if same is not None else None
             if answer is None:
