@@ -377,3 +377,37 @@ def test_device_out_of_memory_falls_back_to_cpu(emulated, caplog):
     assert stats["fallback_reasons"] == {"device error (out-of-memory): EmulatedOutOfMemoryError": 6}
     warnings = [r for r in caplog.records if "fell back to the CPU" in r.getMessage()]
     assert len(warnings) == 1  # logged once per task prefix
+
+
+def test_renaming_a_task_is_dasks_substitute():
+    """The rewrite renames the keys a task reads with a substitute of its own (Dask's reads
+    its constructor's signature on every call): the same task as Dask's, nested tasks,
+    keyword arguments and ``data_producer`` included."""
+    from dask._task_spec import DataNode, Task, TaskRef
+    from dask.array.optimization import optimize as dask_optimize
+
+    from eugo_dask.graph import task_spec_dict
+    from eugo_dask.rewrite import _renamed_node, renamed_key
+
+    x = da.random.default_rng(0).random((40, 40), chunks=10)
+    y = (da.sin(x) + x.T).mean(axis=0, split_every=2) + x.map_overlap(lambda b: b, depth=1).sum()
+    dsk = dict(task_spec_dict(dask_optimize(y.__dask_graph__(), y.__dask_keys__())))
+    dsk["hand"] = Task("hand", np.add, Task("inner", np.negative, TaskRef(("a", 0))),
+                       DataNode(None, 2), out=Alias(("a", 1)), _data_producer=True)
+    renames = {k: renamed_key(k, "tok") for i, k in enumerate(dsk) if i % 3 == 0}
+    renames.update({("a", 0): ("b", 0), ("a", 1): ("b", 1)})
+    compared = nested = 0
+    for key, node in dsk.items():
+        ours = _renamed_node(key, node, renames)
+        dasks = node.substitute(renames, key=renames.get(key, key))
+        assert type(ours) is type(dasks) and ours.key == dasks.key, key
+        assert ours.dependencies == dasks.dependencies, key
+        assert ours == dasks, key
+        if type(node) is Task:
+            assert ours.data_producer == dasks.data_producer
+            compared += not renames.keys().isdisjoint(node.dependencies)
+            nested += any(type(a) is Task for a in node.args)
+    assert compared > 20 and nested > 5
+    hand = _renamed_node("hand", dsk["hand"], renames)
+    assert hand.dependencies == {("b", 0), ("b", 1)} and hand.data_producer
+    assert hand({("b", 0): 3.0, ("b", 1): None}) == -1.0
