@@ -341,7 +341,7 @@ def _layer_order(dsk: Graph) -> list[tuple[Key, GraphNode]] | None:
     reads: dict[Any, set[Any]] = {}  # a layer -> the layers (or keys from outside) it reads
     for item in dsk.items():
         key = item[0]
-        name = key[0] if type(key) is tuple else key
+        name = key[0] if type(key) is tuple and key else key
         members = layers.get(name)
         if members is None:
             members, read = layers[name], reads[name] = [], set()
@@ -350,13 +350,15 @@ def _layer_order(dsk: Graph) -> list[tuple[Key, GraphNode]] | None:
         members.append(item)
         deps = item[1].dependencies
         if deps:
-            read.update([d[0] if type(d) is tuple else d for d in deps])
+            read.update([d[0] if type(d) is tuple and d else d for d in deps])
     waiting = {}  # a layer -> how many layers it reads are not ordered yet
     readers: dict[Any, list[Any]] = {name: [] for name in layers}
     for name, read in reads.items():
         if name in read:
             return None
         inside = [r for r in read if r in layers]
+        if len(inside) < len(read) and any(r in dsk for r in read if r not in layers):
+            return None  # a key of the graph read as a name (a tuple of another type): key by key
         waiting[name] = len(inside)
         for r in inside:
             readers[r].append(name)

@@ -256,3 +256,21 @@ def test_keys_from_outside_the_graph_are_not_waited_for():
     dsk = {("b", 0): Task(("b", 0), np.exp, TaskRef(("persisted", 0))),
            ("c", 0): Task(("c", 0), np.add, TaskRef(("b", 0)), TaskRef("elsewhere"))}
     assert [k for k, _ in _layer_order(dsk)] == [("b", 0), ("c", 0)]
+
+
+def test_keys_that_name_no_layer_are_ordered_key_by_key():
+    """A key read as an equal tuple of another type names no layer, and ``()`` has no name:
+    such graphs (Dask computes neither) are still ordered, each key after what it reads."""
+    from collections import namedtuple
+
+    from dask._task_spec import DataNode, Task, TaskRef
+
+    from eugo_dask.graph import dependency_order
+
+    K = namedtuple("K", "name i")
+    odd = {("y", 0): Task(("y", 0), np.negative, TaskRef(K("x", 0))),
+           ("x", 0): DataNode(("x", 0), 1)}
+    _assert_dependency_order(odd, dependency_order(odd))
+    assert [k for k, _ in dependency_order(odd)] == [("x", 0), ("y", 0)]
+    empty = {"b": Task("b", np.negative, TaskRef(())), (): DataNode((), 1)}
+    assert [k for k, _ in dependency_order(empty)] == [(), "b"]
