@@ -43,8 +43,8 @@ class ArraySpec(NamedTuple):
 
 
 def key_name(key: Key) -> Any:
-    """The layer name of a key: ``("x-abc", 0, 1)`` -> ``"x-abc"``."""
-    return key[0] if type(key) is tuple else key
+    """The layer name of a key: ``("x-abc", 0, 1)`` -> ``"x-abc"`` (``()``: itself)."""
+    return key[0] if type(key) is tuple and key else key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def _layer_order(dsk: Graph) -> list[tuple[Key, GraphNode]] | None:
     reads: dict[Any, set[Any]] = {}  # a layer -> the layers (or keys from outside) it reads
     for item in dsk.items():
         key = item[0]
-        name = key[0] if type(key) is tuple and key else key
+        name = key[0] if type(key) is tuple and key else key  # (key_name, inline: per key)
         members = layers.get(name)
         if members is None:
             members, read = layers[name], reads[name] = [], set()

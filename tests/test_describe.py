@@ -12,7 +12,7 @@ from dask.array.optimization import optimize as dask_optimize
 
 from eugo_dask import describe as describe_module
 from eugo_dask.describe import describe_graph
-from eugo_dask.graph import ArraySpec, ChunkInfo, task_spec_dict
+from eugo_dask.graph import ArraySpec, ChunkInfo, key_name, task_spec_dict
 from eugo_dask.optimization import _current_settings, _profile
 from eugo_dask.unfuse import split_mixed_tasks
 
@@ -208,12 +208,12 @@ def test_dask_graphs_are_ordered_layer_by_layer(build):
     ordered = dependency_order(dsk)
     assert _layer_order(dsk) == ordered
     _assert_dependency_order(dsk, ordered)
-    name = [k[0] if type(k) is tuple else k for k, _ in ordered]
+    name = [key_name(k) for k, _ in ordered]
     runs = [n for i, n in enumerate(name) if i == 0 or n != name[i - 1]]
     assert len(runs) == len(set(name))  # each layer in one run
     for layer in set(name):
-        assert [k for k, _ in ordered if (k[0] if type(k) is tuple else k) == layer] == \
-            [k for k in dsk if (k[0] if type(k) is tuple else k) == layer]
+        assert [k for k, _ in ordered if key_name(k) == layer] == \
+            [k for k in dsk if key_name(k) == layer]
 
 
 def test_graphs_whose_layers_read_themselves_or_each_other_are_ordered_key_by_key():
