@@ -248,6 +248,10 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # Placement
 # ---------------------------------------------------------------------------------------------
+#: Flags of a key's code in :func:`place`'s walk (its bytes are the code >> 2).
+_ON_DEVICE, _COPIED = 1, 2
+
+
 def _needs_host_regardless(description: GraphDescription, outputs: set[Key],
                            read_by_undescribed: set[Key]) -> set[Key]:
     """Results that must reach the host whatever is placed where: outputs, and the inputs of
@@ -311,11 +315,12 @@ def place(
     h2d_s = functools.lru_cache(maxsize=None)(lambda n: estimate_h2d_seconds(n, profile))
     d2h_s = functools.lru_cache(maxsize=None)(lambda n: estimate_d2h_seconds(n, profile))
 
-    # What the walk knows of each key it has seen, in one cell (one lookup per input rather
-    # than one per question): [bytes, on the device, copied]. A key on the device is copied
-    # back once (to the host) and a host key once (to the device); a key is placed before any
-    # of its consumers, so "copied" means the copy its consumers would otherwise pay.
-    seen: dict[Key, list[Any]] = {}
+    # What the walk knows of each key it has seen, in one int (one lookup per input, and no
+    # object per key: a layer's chunks share their codes): its bytes << 2, | _ON_DEVICE where
+    # it lives on the device, | _COPIED where it was copied once already (to the host for a key
+    # on the device, to the device for a host key). A key is placed before any of its
+    # consumers, so "copied" means the copy its consumers would otherwise pay.
+    seen: dict[Key, int] = {}
     on_gpu: set[Key] = set()
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
@@ -325,28 +330,29 @@ def place(
     # ``estimates`` holds the described tasks in dependency order, ``inputs`` and
     # ``task_specs`` what they read and give in the same order: walking them side by side
     # skips the others without a lookup each
-    nbytes: dict[int, int] = {}  # id(spec) -> its bytes (a layer's chunks share one spec)
+    codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
     for (k, est), inputs, spec in zip(estimates.items(), description.inputs,
                                       description.task_specs, strict=True):
         lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
         input_bytes = 0
-        to_copy = []  # the inputs' cells whose copy this task pays where it is placed
+        # the inputs whose copy this task pays where it is placed: on the host, on the device
+        host_uncopied, device_uncopied = [], []
         for d in inputs:
-            cell = seen.get(d)
-            if cell is None:  # not placed: a chunk, a key from outside, a task eugo wrote
+            code = seen.get(d)
+            if code is None:  # not placed: a chunk, a key from outside, a task eugo wrote
                 given = values.get(d)
-                cell = seen[d] = [given.nbytes if isinstance(given, ArraySpec) else 0, False,
-                                  False]
-            n = cell[0]
+                code = seen[d] = given.nbytes << 2 if isinstance(given, ArraySpec) else 0
+            n = code >> 2
             input_bytes += n
-            if not cell[2]:
-                if cell[1]:
+            if not code & _COPIED:
+                if code & _ON_DEVICE:
                     d2h_in += d2h_s(n)
+                    device_uncopied.append(d)
                 else:
                     h2d += h2d_s(n)
-                to_copy.append(cell)
+                    host_uncopied.append(d)
         if est.in_bytes > input_bytes:  # chunks embedded in the task
             h2d += h2d_s(est.in_bytes - input_bytes)
         d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
@@ -355,26 +361,26 @@ def place(
         capable = est.gpu_capable
         too_big = (capable and device is not None  # working_set_bytes(est), inline
                    and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
+        spec_codes = codes.get(id(spec))
+        if spec_codes is None:
+            size = spec.nbytes << 2 if spec is not None else 0
+            spec_codes = codes[id(spec)] = (size, size | _ON_DEVICE, size | _ON_DEVICE | _COPIED)
         if (capable and not too_big and _not_starting is None
                 and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
             placement: Placement = GPU
-            for cell in to_copy:  # the inputs on the host are copied to the device
-                if not cell[1]:
-                    cell[2] = True
+            for d in host_uncopied:  # copied to the device
+                seen[d] |= _COPIED
             on_gpu.add(k)
             chosen = gpu_total
             gpu_cpu_s += cpu_s
+            # (a result copied back for an output or a CPU-only consumer: copied once)
+            seen[k] = spec_codes[2] if d2h_out > 0 else spec_codes[1]
         else:
             placement = CPU
-            for cell in to_copy:  # the inputs on the device are copied back
-                if cell[1]:
-                    cell[2] = True
+            for d in device_uncopied:  # copied back to the host
+                seen[d] |= _COPIED
             chosen = cpu_total
-        size = nbytes.get(id(spec))
-        if size is None:
-            size = nbytes[id(spec)] = spec.nbytes if spec is not None else 0
-        # (a device result copied back for an output or a CPU-only consumer: copied once)
-        seen[k] = [size, placement is GPU, placement is GPU and d2h_out > 0]
+            seen[k] = spec_codes[0]
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
         as_chosen += chosen
