@@ -212,6 +212,10 @@ def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 _new_object = object.__new__
+#: The keyword arguments of the tasks eugo writes without any: one empty dict, shared (Dask
+#: reads a task's ``kwargs`` and never changes them; a dict each was an allocation for each
+#: of a million tasks).
+NO_KWARGS: dict[str, Any] = {}
 _NO_DEPENDENCIES = Task("eugo-no-dependencies", int).dependencies
 #: For the pass's loops over every task, which read a fused task's arguments in place rather
 #: than make a :class:`Fused` per task: its function, and where in ``Task.args`` its inner

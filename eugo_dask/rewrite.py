@@ -34,6 +34,7 @@ from eugo_dask.graph import (
     FUSED_DEPS,
     FUSED_FUNC,
     FUSED_INNER,
+    NO_KWARGS,
     Graph,
     Key,
     fused,
@@ -58,7 +59,7 @@ def _is_input(arg: Any) -> bool:
 def _copy_task(key: Key, copy: Any, source: Key, device: str) -> Task:
     """``Task(key, copy, TaskRef(source), device)``, a copy to or from the device, made with its
     one dependency known."""
-    return new_task(key, copy, (TaskRef(source), device), {}, frozenset([source]))
+    return new_task(key, copy, (TaskRef(source), device), NO_KWARGS, frozenset([source]))
 
 
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
@@ -230,14 +231,17 @@ def is_inner_source(node: GraphNode) -> bool:
     return type(node) is Task and classify_node(node)[0] in SOURCE_FAMILIES
 
 
-def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef]) -> GraphNode:
+def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef], outer: frozenset[Key],
+                      reads: frozenset[Key]) -> GraphNode:
     """A node nested in a GPU task's arguments with every key it reads replaced by its device
     copy (``copies``: the references to those, for every key the task reads). The common shape
     (a tree reduction's ``_identity_cast(Alias(k1), Alias(k2), ...)``, a task per chunk) is
     rebuilt here with its dependencies known, each reference to an input becoming the reference
     to its copy: a ``TaskRef``, which ``Task`` evaluates as it does an alias of a key, without a
     set of dependencies of its own (a quarter of the tasks of a large matmul's graph are
-    these). Anything else by ``substitute``."""
+    these). Anything else by ``substitute``. ``outer``: the keys the task it is nested in reads,
+    whose copies are ``reads``: the nested task's own where it reads the same keys (the common
+    case: the whole of the outer task's work is the nested one)."""
     if type(node) is not Task or not node.dependencies:
         return _substituted(node, copies)
     args: list[Any] = []
@@ -254,8 +258,10 @@ def _nested_on_device(node: GraphNode, copies: dict[Key, TaskRef]) -> GraphNode:
         for v in kwargs.values():
             if isinstance(v, (GraphNode, TaskRef)):
                 return _substituted(node, copies)
-    return new_task(node.key, node.func, tuple(args), dict(kwargs),
-                    frozenset([copies[d].key for d in node.dependencies]), node.data_producer)
+    deps = node.dependencies
+    return new_task(node.key, node.func, tuple(args), dict(kwargs) if kwargs else NO_KWARGS,
+                    reads if deps == outer else frozenset([copies[d].key for d in deps]),
+                    node.data_producer)
 
 
 def _substituted(arg: Any, copies: dict[Key, TaskRef]) -> Any:
@@ -346,6 +352,9 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     host_needed = plan.host_needed
     order, targets = description.order, description.targets
     roles: dict[Key, RoleEntry] = {}
+    # one entry per role and estimates, shared by the tasks that have them (a layer's chunks):
+    # the roles live as long as the graph does
+    entries: dict[RoleEntry, RoleEntry] = {}
     origin: dict[Key, Key] = {}  # a copy eugo writes -> the original key it stands in for
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
     # one DeviceCall per function and layer, and the layer's device name: by function and
@@ -363,7 +372,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     for (key, decision), node in zip(decisions.items(), description.task_nodes, strict=True):
         if decision.device != GPU:
             role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
-            roles[key] = (role, decision.cpu_s, decision.cpu_s)
+            entry: RoleEntry = (role, decision.cpu_s, decision.cpu_s)
+            roles[key] = entries.setdefault(entry, entry)
             continue
         func, args = node.func, node.args
         # the device copies of what the task reads, made (where missing) in the order of its
@@ -386,14 +396,15 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
                 inner_on = inner_on_device[id(inner)] = sources_on_device(
                     inner, is_inner_source, device)
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
-            kwargs: dict[str, Any] = {}
+            kwargs: dict[str, Any] = NO_KWARGS
         else:
             rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
-                         else _nested_on_device(a, on_device) if isinstance(a, GraphNode)
+                         else _nested_on_device(a, on_device, node.dependencies, reads)
+                         if isinstance(a, GraphNode)
                          else a
                          for a in args]
             kwargs = ({k: _substituted(v, on_device) for k, v in node.kwargs.items()}
-                      if node.kwargs else {})
+                      if node.kwargs else NO_KWARGS)
             parts = fused(node)
             if parts is not None:
                 inner = parts.inner
@@ -412,7 +423,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
         out[device_key] = new_task(device_key, call[0], args, kwargs, reads, node.data_producer)
         on_device[key] = TaskRef(device_key)
-        roles[device_key] = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
+        entry = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
+        roles[device_key] = entries.setdefault(entry, entry)
         if key in host_needed:
             # the copy back gets a prefix of its own (the task stream tells it apart)
             host_key = prefixed_key(key, D2H_PREFIX, token)
