@@ -379,6 +379,27 @@ def test_device_out_of_memory_falls_back_to_cpu(emulated, caplog):
     assert len(warnings) == 1  # logged once per task prefix
 
 
+def test_tasks_without_keywords_share_one_empty_dict_that_running_them_leaves_empty(emulated):
+    """The device tasks and copies eugo writes without keyword arguments share one empty dict
+    (a dict each was an allocation per task of graphs a million tasks large): Dask only reads
+    it, so running, pickling and unpickling the graph leave it empty."""
+    import pickle
+
+    from eugo_dask.graph import NO_KWARGS
+
+    z = da.random.default_rng(0).random((64, 64), chunks=8)
+    x = (np.exp(z @ z.T) + 1).sum(axis=0)
+    with dask.config.set({"eugo.min-speedup": 0}):
+        graph = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+        result = x.compute(scheduler="sync")
+    written = [t for k, t in graph.items() if key_split(k).startswith("eugo-")]
+    assert sum(t.kwargs is NO_KWARGS for t in written) > len(written) // 2
+    pickle.loads(pickle.dumps(graph))
+    assert NO_KWARGS == {}
+    with dask.config.set(optimizations=[]):
+        assert_eq(result, x.compute(scheduler="sync"))
+
+
 def test_renaming_a_task_is_dasks_substitute():
     """The rewrite renames the keys a task reads with a substitute of its own (Dask's reads
     its constructor's signature on every call): the same task as Dask's, nested tasks,
