@@ -321,7 +321,7 @@ def place(
     # on the device, to the device for a host key). A key is placed before any of its
     # consumers, so "copied" means the copy its consumers would otherwise pay.
     seen: dict[Key, int] = {}
-    on_gpu: set[Key] = set()
+    on_gpu: list[Key] = []  # (a list: no table of a million keys to grow, for one intersection)
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
     # replaces it with an exact plan at min-speedup 0)
@@ -370,7 +370,7 @@ def place(
             placement: Placement = GPU
             for d in host_uncopied:  # copied to the device
                 seen[d] |= _COPIED
-            on_gpu.add(k)
+            on_gpu.append(k)
             chosen = gpu_total
             gpu_cpu_s += cpu_s
             # (a result copied back for an output or a CPU-only consumer: copied once)
@@ -408,7 +408,7 @@ def place(
         min_speedup=min_speedup,
         totals=totals,
         host_needed=frozenset(_host_consumed(description, decisions, outputs,
-                                             read_by_undescribed) & on_gpu),
+                                             read_by_undescribed).intersection(on_gpu)),
     )
 
 
