@@ -13,6 +13,7 @@ Nothing here decides where a task runs: that is :mod:`eugo_dask.plan`'s job.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -411,17 +412,19 @@ class GraphDescription:
     - ``values``: what each key holds as the shape rules see it (a chunk's spec,
       :data:`~eugo_dask.shapes.UNKNOWN_ARRAY`, or a literal such as an array-like a read takes
       its chunk from);
-    - the tasks eugo can reason about, in dependency order: ``estimates`` (key -> estimate) and,
-      key for key with it, ``inputs`` (the distinct keys each task reads, aliases resolved),
+    - the tasks eugo can reason about, in dependency order: ``task_keys``, and key for key with
+      them ``task_estimates``, ``inputs`` (the distinct keys each task reads, aliases resolved),
       ``task_specs`` (its output spec) and ``task_nodes`` (its node): the placement and the
-      rewrite walk them side by side rather than look each task up;
+      rewrite walk them side by side rather than look each task up (lists: a table of a million
+      keys is no small thing to grow); :attr:`estimates` looks a task's estimate up by key;
     - ``undescribed``: the other keys with their nodes (chunks, aliases, tasks eugo wrote).
     """
 
     order: list[Key]
     targets: dict[Key, Key]
     values: dict[Key, Value]
-    estimates: dict[Key, Estimate]
+    task_keys: list[Key]
+    task_estimates: list[Estimate]
     inputs: list[frozenset[Key]]
     task_specs: list[ArraySpec | None]
     task_nodes: list[Task]
@@ -435,6 +438,11 @@ class GraphDescription:
         """The chunk ``key`` holds, where its shape and dtype are known."""
         value = self.values.get(key)
         return value if isinstance(value, ArraySpec) else None
+
+    @functools.cached_property
+    def estimates(self) -> dict[Key, Estimate]:
+        """Each described task's estimate, by key."""
+        return dict(zip(self.task_keys, self.task_estimates, strict=True))
 
     @property
     def specs(self) -> dict[Key, ArraySpec | None]:
@@ -497,7 +505,8 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
     aliases = frozenset(targets)
     describer = TaskDescriber(chunks, profile, history)
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
-    estimates: dict[Key, Estimate] = {}
+    task_keys: list[Key] = []
+    task_estimates: list[Estimate] = []
     task_specs: list[ArraySpec | None] = []
     task_nodes: list[Task] = []
     inputs: list[frozenset[Key]] = []
@@ -533,7 +542,9 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 answer = (estimate, spec, handed_on)
                 if same is not None and (cacheable or same[-1] is _WHOLE):
                     shared[same] = answer
-            estimates[k], spec, handed_on = answer
+            estimate, spec, handed_on = answer
+            task_keys.append(k)
+            task_estimates.append(estimate)
             task_specs.append(spec)
             task_nodes.append(node)
             # (its spec where known: where the spec is None, what it hands on is no spec)
@@ -546,7 +557,8 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
                 values[k] = values.get(resolve(k, k), UNKNOWN_ARRAY)
             else:
                 values[k] = UNKNOWN_ARRAY
-    return GraphDescription(order, targets, values, estimates, inputs, task_specs, task_nodes,
+    return GraphDescription(order, targets, values, task_keys, task_estimates, inputs, task_specs,
+                            task_nodes,
                             undescribed)
 
 

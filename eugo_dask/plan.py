@@ -257,7 +257,7 @@ def _needs_host_regardless(description: GraphDescription, outputs: set[Key],
     """Results that must reach the host whatever is placed where: outputs, and the inputs of
     consumers that cannot run on a device (aliases pass their consumers' needs through)."""
     needed = {description.resolve(k) for k in outputs} | read_by_undescribed
-    for est, inputs in zip(description.estimates.values(), description.inputs, strict=True):
+    for est, inputs in zip(description.task_estimates, description.inputs, strict=True):
         if not est.gpu_capable:
             needed |= inputs
     return needed
@@ -303,7 +303,7 @@ def place(
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, no helper calls
-    estimates, values = description.estimates, description.values
+    values = description.values
     width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
     threads = profile.cpu.threads
     lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
@@ -327,12 +327,11 @@ def place(
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
-    # ``estimates`` holds the described tasks in dependency order, ``inputs`` and
-    # ``task_specs`` what they read and give in the same order: walking them side by side
-    # skips the others without a lookup each
+    # the described tasks in dependency order, their estimates, what they read and what they
+    # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
-    for (k, est), inputs, spec in zip(estimates.items(), description.inputs,
-                                      description.task_specs, strict=True):
+    for k, est, inputs, spec in zip(description.task_keys, description.task_estimates,
+                                    description.inputs, description.task_specs, strict=True):
         lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
