@@ -558,8 +558,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             else:
                 values[k] = UNKNOWN_ARRAY
     return GraphDescription(order, targets, values, task_keys, task_estimates, inputs, task_specs,
-                            task_nodes,
-                            undescribed)
+                            task_nodes, undescribed)
 
 
 __all__ = ["GraphDescription", "TaskDescriber", "describe_graph"]
