@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -240,6 +241,19 @@ def fused(node: GraphNode) -> Fused | None:
 
 
 _new_tuple = tuple.__new__
+
+
+def keeps_its_name(node: GraphNode) -> bool:
+    """Whether ``node``'s key must keep its name through the rewrite whatever it reads: a P2P
+    shuffle's barrier (``distributed.shuffle``'s ``P2PBarrierTask``), which the shuffle's
+    scheduler and worker plugins look up by the name ``shuffle-barrier-<shuffle id>``. Renamed,
+    the shuffle fails with ``P2PConsistencyError``. Its value (the transfers' run ids) is the
+    same whatever name the transfers it waits for have."""
+    if type(node) is Task or not isinstance(node, Task):  # (the common case: one check)
+        return False
+    core = sys.modules.get("distributed.shuffle._core")  # loaded wherever a barrier exists
+    barrier = getattr(core, "P2PBarrierTask", None)
+    return barrier is not None and isinstance(node, barrier)
 
 
 def fused_output(node: GraphNode) -> GraphNode | None:

@@ -38,6 +38,7 @@ from eugo_dask.graph import (
     Graph,
     Key,
     fused,
+    keeps_its_name,
     new_task,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
@@ -470,7 +471,9 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     """New names for the original keys whose meaning changed: their task is not Dask's (split
     from a fused task, replaced by a copy back) or reads a renamed key. Keys eugo
     wrote carry the token already; outputs keep their names (their values are Dask's). A key
-    whose copy back took its place (``copied_back``) takes the copy's name.
+    whose copy back took its place (``copied_back``) takes the copy's name. A key others find by
+    its name (a P2P shuffle's barrier: :func:`~eugo_dask.graph.keeps_its_name`) keeps it, and
+    its value: only the keys it reads are renamed, and its readers keep their names.
 
     Also the keys whose task may read a renamed key, to be looked at again once the names are
     known: the original keys whose meaning changed, and the copies to the device (which read
@@ -484,6 +487,9 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     for key in filter(out.__contains__, order):
         node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
+            if keeps_its_name(node):  # read by name (a P2P barrier): its reads renamed only
+                readers.append(key)
+                continue
             changed.add(key)
             copy_back = copied_back.get(key)
             if copy_back is not None:
