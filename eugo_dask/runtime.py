@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import re
 import sys
 import threading
@@ -343,6 +344,13 @@ def _to_host(value: Any) -> Any:
     if device is None:
         return value
     return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+
+
+def host_values(values: dict[Any, Any]) -> dict[Any, Any]:
+    """``values`` with every device array in them copied to the host (counted), or ``values``
+    itself where nothing changed."""
+    host = {k: map_arrays(v, _to_host) for k, v in values.items()}
+    return values if all(map(operator.is_, host.values(), values.values())) else host
 
 
 def _host_only_chunk(value: Any) -> str | None:

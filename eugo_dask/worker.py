@@ -11,9 +11,15 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
 - a worker that advertises the GPU resource but cannot use a device (``eugo.device: none``, no
   CUDA device, a broken CuPy) logs a warning and reports it: it would otherwise run every GPU
   task on its CPU while the plan counts on the GPU;
+- a device array leaves this worker as a host array (:func:`send_device_values_as_host`):
+  whoever fetches it (a CPU worker taking the results of a retiring GPU worker, a rebalance, a
+  replica, a client) receives NumPy, and a GPU worker's device task copies it back to its device
+  as it copies any host input. A worker without CuPy, which cannot rebuild a device array,
+  never gets one to rebuild: a transfer that would fail for ever and hang the retirement of a
+  GPU worker;
 - a CuPy array sent to this worker lands as a host array where it cannot be held here
-  (:func:`eugo_dask.runtime.install_receive_fallback`), so retiring a GPU worker, or a full
-  device, never leaves a transfer failing forever;
+  (:func:`eugo_dask.runtime.install_receive_fallback`), for peers that send device arrays
+  (workers of another version of eugo);
 - the worker's event loop gives idle device memory back (``eugo.device-idle-release``): pools
   and FFT plan caches of a device no task used for that long are released, from a periodic
   callback that stops with the worker (no thread of eugo's outlives it).
@@ -23,10 +29,12 @@ Reports go to the scheduler as events on the ``eugo`` topic, which the scheduler
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
+from distributed.protocol.serialize import Serialize, to_serialize
 from tornado.ioloop import PeriodicCallback
 
 from eugo_dask.config import (
@@ -38,6 +46,7 @@ from eugo_dask.config import (
 from eugo_dask.runtime import (
     EVENT_TOPIC,
     MAX_EVENT_TEXT,
+    host_values,
     install_receive_fallback,
     release_idle_devices,
     usable_device,
@@ -79,6 +88,7 @@ class EugoWorkerPlugin(WorkerPlugin):
             worker.log_event(EVENT_TOPIC, {"invalid-setting": problem[:MAX_EVENT_TEXT],
                                            "worker": worker.address})
         install_receive_fallback()
+        send_device_values_as_host(worker)
         self._drive_idle_release(worker)
         resources = getattr(getattr(worker, "state", None), "total_resources", {}) or {}
         device, why = device_capability()
@@ -101,3 +111,38 @@ class EugoWorkerPlugin(WorkerPlugin):
         callback = PeriodicCallback(release_idle_devices, max(idle_s / 4, 0.01) * 1000)
         worker.periodic_callbacks["eugo-idle-release"] = callback  # stopped when the worker closes
         callback.start()
+
+
+def send_device_values_as_host(worker: Any) -> None:
+    """Have ``worker`` send the device arrays among the values peers and clients fetch from it
+    (its ``get_data`` handler: dependencies, replicas, retirement, rebalancing, gathering) as
+    host arrays, copied back off the event loop. Its own copies stay on its device."""
+    handler = worker.handlers.get("get_data")
+    if handler is None or getattr(handler, "_eugo_host", False):
+        return
+
+    async def get_data(comm: Any, *args: Any, **kwargs: Any) -> Any:
+        return await handler(_HostDataComm(comm), *args, **kwargs)
+
+    get_data._eugo_host = True  # type: ignore[attr-defined]
+    worker.handlers["get_data"] = get_data
+
+
+class _HostDataComm:
+    """A comm whose ``write`` sends the device arrays of a ``get_data`` reply as host arrays;
+    everything else is the comm's own."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+    async def write(self, msg: Any, *args: Any, **kwargs: Any) -> Any:
+        data = msg.get("data") if type(msg) is dict else None
+        if data:
+            values = {k: v.data if isinstance(v, Serialize) else v for k, v in data.items()}
+            host = await asyncio.to_thread(host_values, values)
+            if host is not values:
+                msg = {**msg, "data": {k: to_serialize(v) for k, v in host.items()}}
+        return await self._comm.write(msg, *args, **kwargs)

@@ -1,0 +1,86 @@
+"""Device values never strand a worker: retiring a GPU worker and replicating move its results to workers that cannot rebuild device arrays (no CuPy: the ``poison_device``
+preload) as host arrays, and nothing hangs. Separate-process clusters; every wait bounded."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import dask
+import dask.array as da
+import numpy as np
+import pytest
+from dask.array.utils import assert_eq
+
+from .cluster import process_cluster
+from .test_plugin import POISON, SETTINGS, placements, received_device_arrays
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CPU_WORKERS_WITHOUT_CUPY = {"cpu-1": {"extra": ["--preload", POISON]},
+                            "cpu-2": {"extra": ["--preload", POISON]}}
+
+
+def address_of(client, name):
+    return next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == name)
+
+
+def bounded(call, *args, timeout=90):
+    """``call(*args)`` from another thread, failing (not hanging) after ``timeout`` seconds."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(call, *args).result(timeout=timeout)
+
+
+def device_array(seed):
+    """A device array made on the worker it runs on (its emulated device)."""
+    from eugo_dask.runtime import usable_device
+
+    return usable_device("emulated").wrap(np.random.default_rng(seed).random((200, 50)))
+
+
+def counted_kinds(dask_worker):
+    return sorted({type(v).__name__ for v in dask_worker.data.values()})
+
+
+def test_retiring_the_gpu_worker_where_cpu_workers_have_no_cupy(tmp_path):
+    workers = {"gpu": {"gpu": True, "nthreads": 2}, **CPU_WORKERS_WITHOUT_CUPY}
+    a = da.random.default_rng(5).random((3000, 3000), chunks=(100, 3000))
+    x = np.exp(np.sin(a) ** 2) * 2
+    with dask.config.set(optimizations=[]):
+        expected = x.sum(axis=1).compute(scheduler="sync")
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            (persisted,) = dask.persist(x)  # device results pile up on the GPU worker
+        deadline = time.monotonic() + 30
+        while sum(role == "gpu" for _, role, _ in placements(client)) <= 5:
+            assert time.monotonic() < deadline, "no device task ran"
+            time.sleep(0.01)
+        bounded(client.retire_workers, [address_of(client, "gpu")])
+        assert sorted(w["name"] for w in client.scheduler_info()["workers"].values()) == \
+            ["cpu-1", "cpu-2"]
+        with dask.config.set(SETTINGS):
+            assert_eq(client.compute(persisted.sum(axis=1)).result(timeout=120), expected)
+        assert not any(received_device_arrays(client).values())
+
+
+@pytest.mark.parametrize("move", ["retire", "replicate"])
+def test_device_values_leave_a_gpu_worker_as_host_arrays(tmp_path, move):
+    workers = {"gpu-1": {"gpu": True}, "gpu-2": {"gpu": True}, **CPU_WORKERS_WITHOUT_CUPY}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        gpu_1 = address_of(client, "gpu-1")
+        futures = [client.submit(device_array, i, workers=[gpu_1], pure=False) for i in range(12)]
+        client.gather(futures)  # (NumPy here: what a client fetches is a host array too)
+        if move == "retire":
+            bounded(client.retire_workers, [gpu_1])
+        else:
+            bounded(client.replicate, futures, 4)
+        held = client.run(counted_kinds)
+        by_name = {w["name"]: held[a] for a, w in client.scheduler_info()["workers"].items()}
+        assert not any(received_device_arrays(client).values())
+        for name in ("cpu-1", "cpu-2"):
+            assert "EmulatedDeviceArray" not in by_name[name], by_name
+        assert any("ndarray" in by_name[n] for n in ("cpu-1", "cpu-2")), by_name
+        values = bounded(client.gather, futures)
+        assert all(type(v) is np.ndarray for v in values)
+        for i, value in enumerate(values):
+            np.testing.assert_array_equal(value, np.random.default_rng(i).random((200, 50)))
