@@ -17,7 +17,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
@@ -156,8 +156,10 @@ def _literal_shape(value: Any) -> tuple[Any, Any]:
 
 
 def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
-            steps: list[Step], embedded: list[ArraySpec]) -> None:
-    """Work out what every node returns, in order, recording a step per operation."""
+            steps: list[Step], embedded: list[ArraySpec], hosted: list[str]) -> None:
+    """Work out what every node returns, in order, recording a step per operation, and in
+    ``hosted`` the name of each creation that reads values of the task (see
+    :func:`_hosted_creation`)."""
     for key, node in nodes:
         if isinstance(node, DataNode):
             value = _literal(node.value)
@@ -169,7 +171,8 @@ def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
         parts = fused(node)
         if parts is not None:  # fused inside a fused task
             inner_env = {p: _resolve(d, env) for p, d in zip(parts.inkeys, parts.deps)}
-            _follow([(n.key, n) for n in execution_order(parts.inner)], inner_env, steps, embedded)
+            _follow([(n.key, n) for n in execution_order(parts.inner)], inner_env, steps,
+                    embedded, hosted)
             env[key] = inner_env.get(parts.outkey, UNKNOWN_ARRAY)
             continue
         if isinstance(node, Alias):
@@ -185,9 +188,26 @@ def _follow(nodes: list[tuple[Key, GraphNode]], env: dict[Key, Value],
         out = inferred.out if isinstance(inferred.out, ArraySpec) else None  # not a tuple
         steps.append(_step(family, name, _arrays_in(args), out, inferred.flops))
         env[key] = inferred.out if inferred.out is not None else UNKNOWN_ARRAY
-        if family == CREATION and out is not None:
-            # made on the host inside a GPU task, then copied: priced as an embedded chunk
-            embedded.append(out)
+        if family == CREATION:
+            if any(_is_array(env.get(d, UNKNOWN_ARRAY)) for d in node.dependencies):
+                hosted.append(name)
+            elif out is not None:
+                # made on the host inside a GPU task, then copied: priced as an embedded chunk
+                embedded.append(out)
+
+
+def _is_array(value: Value) -> bool:
+    return isinstance(value, ArraySpec) or value is UNKNOWN_ARRAY
+
+
+def _hosted_creation(name: str) -> str:
+    """Why a task that creates a chunk from values of its own stays on the CPU. A creation
+    runs on the host so that its results are plain Dask's (NumPy's random streams, not
+    CuPy's); inside a GPU task, what it reads (``lam`` of ``rng.poisson(lam)``: an input, or
+    work before it in the task) is on the device, and NumPy refuses device arrays. The
+    creation stays on the host, and the task with it."""
+    return (f"creation ({name}) reads arrays of its task and runs on the host so results "
+            "match plain Dask: the task stays on the CPU")
 
 
 def _arrays_in(args: list[Value]) -> tuple[ArraySpec, ...]:
@@ -267,6 +287,17 @@ def _learned(estimate: Estimate, history: RuntimeHistory) -> Estimate:
     )
 
 
+class _Followed(NamedTuple):
+    """What following a task's operations gave: a step per operation, the chunks made on the
+    host inside it (embedded, created), what it hands on, and the first creation that reads
+    values of the task (None where none does)."""
+
+    steps: tuple[Step, ...]
+    embedded: tuple[ArraySpec, ...]
+    value: Value
+    hosted: str | None
+
+
 class TaskDescriber:
     """Estimates tasks and infers their output chunks, reusing work across the chunks of a
     layer (same functions, same shapes: same estimate)."""
@@ -276,8 +307,7 @@ class TaskDescriber:
         self.chunks, self.profile, self.history = chunks, profile, history
         self._structures: dict[tuple[int, tuple[Key, ...], Key], _Structure] = {}
         self._shapes: dict[tuple[Any, ...], tuple[str, int]] = {}
-        self._followed: dict[tuple[Any, ...], tuple[tuple[Step, ...], tuple[ArraySpec, ...],
-                                                     Value]] = {}
+        self._followed: dict[tuple[Any, ...], _Followed] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
         self._results: dict[tuple[Any, ...], tuple[Estimate, ArraySpec | None, Value]] = {}
         self._read_steps: dict[tuple[tuple[Family, str], tuple[ArraySpec, ...]],
@@ -333,19 +363,21 @@ class TaskDescriber:
         if followed is None:
             steps: list[Step] = []
             embedded: list[ArraySpec] = []
+            hosted: list[str] = []
             if structure is not None:
                 env = dict(zip(structure.inkeys, env_values))
-                _follow(structure.nodes, env, steps, embedded)
+                _follow(structure.nodes, env, steps, embedded, hosted)
                 value = env.get(structure.outkey)
             else:
                 env = dict(inputs)
-                _follow([(key, node)], env, steps, embedded)
+                _follow([(key, node)], env, steps, embedded, hosted)
                 value = env.get(key)
-            followed = self._followed[follow_key] = (tuple(steps), tuple(embedded), value)
+            followed = self._followed[follow_key] = _Followed(
+                tuple(steps), tuple(embedded), value, hosted[0] if hosted else None)
         result = self._estimated(key, parts, inputs, *followed)
         # where the result follows from the inputs (the annotation only confirms the dtype),
         # it is the same for every chunk of the layer with these inputs
-        shared = isinstance(followed[2], ArraySpec)
+        shared = isinstance(followed.value, ArraySpec)
         if shared:
             self._results[(follow_key, layer)] = result
         return (*result, shared)
@@ -364,19 +396,23 @@ class TaskDescriber:
 
     def _estimated(self, key: Key, parts: Fused | None, inputs: dict[Key, Value],
                    steps_t: tuple[Step, ...], embedded_t: tuple[ArraySpec, ...],
-                   inferred: Value) -> tuple[Estimate, ArraySpec | None, Value]:
+                   inferred: Value, hosted: str | None = None
+                   ) -> tuple[Estimate, ArraySpec | None, Value]:
         """The estimate, the output spec and what the task hands on, from what following its
-        operations gave (``steps_t``, ``embedded_t``, ``inferred``)."""
+        operations gave (a :class:`_Followed`'s fields)."""
         out = self._output_spec(key, parts, inferred)
         known = [v for v in inputs.values() if isinstance(v, ArraySpec)]
         unknown_input = any(v is UNKNOWN_ARRAY for v in inputs.values())
         arrays = tuple(known) + embedded_t
         special = self.chunks.special_chunk_type(
             parts.outkey if parts is not None and type(parts.outkey) is tuple else key)
-        cache_key = (steps_t, arrays, out, unknown_input, special)
+        cache_key = (steps_t, arrays, out, unknown_input, special, hosted)
         estimate = self._estimates.get(cache_key)
         if estimate is None:
             estimate = estimate_task(list(steps_t), list(arrays), out, self.profile)
+            if hosted is not None and estimate.gpu_capable:
+                estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
+                                   why_cpu=_hosted_creation(hosted))
             if unknown_input and estimate.gpu_capable:
                 estimate = replace(estimate, gpu_capable=False, gpu_s=math.inf,
                                    why_cpu="an input chunk's size is unknown")

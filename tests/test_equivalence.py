@@ -291,3 +291,73 @@ def test_planning_leaves_warnings_already_shown_alone(emulated, min_speedup):
     eugo_dask.reset_device_stats()
     assert _warnings_shown_over_three_computes({"eugo.min-speedup": min_speedup}) == plain
     assert (eugo_dask.device_stats()["tasks"] > 0) == (min_speedup == 0)  # (the device ran)
+
+
+# ---------------------------------------------------------------------------------------------
+# Creation with array parameters: the creation stays on the host, whatever it is fused with
+# ---------------------------------------------------------------------------------------------
+def _lam():
+    return np.abs(np.sin(_x())) * 5 + 1  # fused with the draws that read it
+
+
+RANDOM_WITH_ARRAYS = {
+    "poisson": lambda: da.random.default_rng(0).poisson(_lam(), chunks=20) + 1,
+    "normal-loc": lambda: da.random.default_rng(0).normal(loc=_lam(), chunks=20) * 2,
+    "uniform": lambda: da.random.default_rng(0).uniform(_lam(), _lam() + 1, chunks=20) * 2,
+    "integers": lambda: da.random.default_rng(0).integers(_lam().astype(int), 100, chunks=20) * 2,
+    "binomial": lambda: da.random.default_rng(0).binomial(_lam().astype(int), 0.5, chunks=20) * 2,
+    "legacy-poisson": lambda: da.random.RandomState(0).poisson(_lam(), chunks=20) + 1,
+    "numpy-loc": lambda: da.random.default_rng(0).normal(V[:40], size=(60, 40), chunks=20) * 2,
+    "choice": lambda: da.random.default_rng(0).choice(da.arange(100, chunks=20) * 2, size=60,
+                                                      chunks=20) * 2,
+}
+
+
+def _creation_stays_on_the_host(x):
+    """Where the plan puts the tasks of ``x`` that draw from arrays: on the CPU, saying why."""
+    plan = eugo_dask.explain(x)
+    draws = [d for d in plan if "_apply_random" in d.reason or "_choice" in d.reason]
+    assert draws and all(d.device == "cpu" for d in draws), str(plan)
+    return plan
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_WITH_ARRAYS))
+def test_random_with_array_parameters_threads(name, emulated):
+    """``rng.poisson(lam)`` with ``lam`` a dask array: inside a GPU task ``lam`` would be a
+    device array, which NumPy's generator refuses (every chunk fell back)."""
+    build = RANDOM_WITH_ARRAYS[name]
+    with dask.config.set(optimizations=[]):
+        expected = build().compute(scheduler="threads")
+    assert eugo_dask.device_stats()["fallbacks"] == 0  # (none without eugo)
+    x = build()  # (Dask computes an element of each parameter here, for the dtype)
+    eugo_dask.reset_device_stats()
+    result = x.compute(scheduler="threads")
+    assert type(result) is type(expected) and result.dtype == expected.dtype
+    np.testing.assert_array_equal(result, expected)
+    stats = eugo_dask.device_stats()
+    assert stats["fallbacks"] == 0, stats["fallback_reasons"]
+    plan = _creation_stays_on_the_host(x)
+    assert (stats["tasks"] > 0) == bool(plan.gpu_keys), (stats, str(plan))
+
+
+def test_random_with_array_parameters_on_a_cluster(emulated):
+    from distributed.utils_test import gen_cluster
+
+    from eugo_dask.testing import cpu_path_tasks, cpu_worker, device_tasks, emulated_settings, gpu_worker
+
+    builds = {**RANDOM_WITH_ARRAYS, "matmul-poisson": lambda: da.random.default_rng(0).poisson(
+        np.abs((_x() @ _y()).rechunk((20, 15))), chunks=(20, 15))}  # (the matmul: on the device)
+    with dask.config.set(optimizations=[]):
+        expected = {name: build().compute(scheduler="sync") for name, build in builds.items()}
+    # made here: Dask computes an element of each parameter as it builds the draws (and a
+    # collection draws from its generator once: choice's advances as it runs)
+    cases = {name: build() for name, build in builds.items()}
+
+    @gen_cluster(client=True, nthreads=[gpu_worker(), cpu_worker()], config=emulated_settings())
+    async def run(client, scheduler, gpu, cpu):
+        for name, x in cases.items():
+            np.testing.assert_array_equal(await client.compute(x), expected[name], err_msg=name)
+            assert cpu_path_tasks(gpu) == cpu_path_tasks(cpu) == 0, name
+        assert device_tasks(gpu) > 0
+
+    run()
