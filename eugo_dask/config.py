@@ -7,8 +7,9 @@ at import. Set values with ``dask.config.set({"eugo.min-speedup": 3})`` or the e
 import:
 
 - :func:`read_settings` -> :class:`Settings`, everything the pass needs, validated (errors name
-  the key and what is allowed); :meth:`Settings.resolved` turns ``auto`` into a device and a
-  profile;
+  the key and what is allowed; a key the schema does not name is one, :func:`check_keys`);
+  :meth:`Settings.resolved` turns ``auto`` into a device and a profile;
+  :func:`keyword_settings`: the settings ``explain()`` takes as keywords, names checked;
 - :func:`process_device`, :func:`emulated_memory_limit`, :func:`emulated_device_count` and
   :func:`device_settings` (a :class:`~eugo_dask.devices.DeviceSettings`: pool limit, FFT plan
   caches, idle release, staging buffers): what a worker's own settings allow inside a task;
@@ -20,6 +21,7 @@ import:
 from __future__ import annotations
 
 import copy
+import difflib
 import functools
 import logging
 import os
@@ -75,6 +77,71 @@ def _setting(key: str) -> Any:
 def schema() -> dict[str, Any]:
     """The JSON schema of the ``eugo`` config section."""
     return _load_yaml("eugo-schema.yaml")
+
+
+@functools.cache
+def _known_keys() -> dict[str, Any]:
+    """The keys the schema names (the one list of them): a section's name (``emulated``) ->
+    its own keys, a setting's -> None (its value may be a mapping, as ``eugo.profile``'s)."""
+    def known(node: dict[str, Any]) -> dict[str, Any]:
+        return {name: known(sub) if "properties" in sub else None
+                for name, sub in node["properties"].items()}
+
+    return known(schema()["properties"]["eugo"])
+
+
+def _dotted(known: dict[str, Any], prefix: str) -> list[str]:
+    """Every key of ``known`` in full (``eugo.emulated.devices``), sections' keys after theirs."""
+    out = []
+    for name, sub in known.items():
+        out.append(prefix + name)
+        if sub is not None:
+            out.extend(_dotted(sub, f"{prefix}{name}."))
+    return out
+
+
+def _unknown_key(key: str, allowed: list[str], what: str) -> str:
+    """The message for an unknown ``key``: the closest of the ``allowed`` ones, and them all."""
+    closest = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean {closest[0]}?)" if closest else ""
+    return f"unknown {what} {key}{hint}; allowed: {', '.join(allowed)}"
+
+
+def check_keys() -> None:
+    """Raise where Dask's config holds an ``eugo.*`` key that eugo does not know (a misspelt
+    one would otherwise be ignored, its setting silently left at the default). Keys are
+    compared as Dask's config reads them: ``min_speedup`` is ``min-speedup`` (the environment
+    gives ``DASK_EUGO__MIN_SPEEDUP`` as the former); a setting's own value is not looked into
+    (``eugo.profile: {base: h200}``)."""
+    problem = _key_problem(dask.config.get("eugo", {}), _known_keys(), "eugo.")
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _key_problem(values: Any, known: dict[str, Any], prefix: str) -> str | None:
+    if not isinstance(values, dict):
+        return (f"{prefix[:-1]} must be a mapping of {', '.join(_dotted(known, prefix))}; "
+                f"got {values!r}")
+    for name, value in values.items():
+        canonical = name.replace("_", "-") if isinstance(name, str) else name
+        if canonical not in known:
+            return _unknown_key(f"{prefix}{name}", _dotted(_known_keys(), "eugo."), "setting")
+        if known[canonical] is not None:
+            problem = _key_problem(value, known[canonical], f"{prefix}{canonical}.")
+            if problem is not None:
+                return problem
+    return None
+
+
+def keyword_settings(settings: dict[str, Any], caller: str) -> dict[str, Any]:
+    """``eugo.*`` config for the settings ``caller`` (``explain()``) took as keywords, their
+    names with underscores (``min_speedup=0`` -> ``{"eugo.min-speedup": 0}``); an unknown name
+    raises a ``TypeError`` naming the closest one and those allowed."""
+    names = [name.replace("-", "_") for name in _known_keys()]
+    for name in settings:
+        if name not in names:
+            raise TypeError(_unknown_key(name, names, f"{caller} setting"))
+    return {f"eugo.{name.replace('_', '-')}": value for name, value in settings.items()}
 
 
 @dataclass(frozen=True)
@@ -146,13 +213,14 @@ def emulated_memory_limit() -> int:
 
 def worker_setting_problems() -> list[str]:
     """What is wrong with this process's own settings as a worker reads them at start (those of
-    :func:`device_setting_problems`, and ``eugo.resource``): one message per key, naming it and
-    what is allowed; empty where all is well."""
+    :func:`device_setting_problems`, ``eugo.resource``, and a key eugo does not know): one
+    message per key, naming it and what is allowed; empty where all is well."""
     problems = list(device_setting_problems())
-    try:
-        read_resource()
-    except ValueError as e:
-        problems.append(str(e))
+    for check in (read_resource, check_keys):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
     return problems
 
 
@@ -266,6 +334,7 @@ def history_path() -> str | None:
 
 def read_settings() -> Settings:
     """Read and validate the ``eugo.*`` config now in force."""
+    check_keys()
     device = process_device()
     resource = read_resource()
     memory_limit_bytes = emulated_memory_limit()

@@ -35,7 +35,14 @@ from dask.array.optimization import optimize as dask_array_optimize
 from dask.base import is_dask_collection, tokenize
 
 from eugo_dask._version import __version__
-from eugo_dask.config import Settings, cluster_profile, history_path, read_settings, resolve_profile
+from eugo_dask.config import (
+    Settings,
+    cluster_profile,
+    history_path,
+    keyword_settings,
+    read_settings,
+    resolve_profile,
+)
 from eugo_dask.describe import GraphDescription, describe_graph
 from eugo_dask.graph import (
     ChunkInfo,
@@ -558,7 +565,7 @@ def explain(collection: Any, **settings: Any) -> Plan:
     if not (is_dask_collection(collection) and hasattr(collection, "__dask_keys__")):
         raise TypeError("explain() takes a Dask collection with an array graph (a dask.array "
                         f"Array); got {type(collection).__name__}")
-    overrides = {f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}
+    overrides = keyword_settings(settings, "explain()")
     with dask.config.set(overrides):
         current = read_settings()
         device = current.device

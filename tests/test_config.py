@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import subprocess
 import sys
 
@@ -200,3 +202,84 @@ def test_a_bad_profile_mapping_raises_on_every_read():
     good = {"base": "h200", "cpu": "server-x86"}
     with dask.config.set({"eugo.device": "emulated", "eugo.profile": good}):
         assert read_settings().profile == good
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys eugo does not know: an error naming the closest known one, never a silent default
+# ---------------------------------------------------------------------------------------------
+_ALLOWED = r"; allowed: eugo\.device, eugo\.profile, .*eugo\.emulated\.memory-limit, eugo\.emulated\.devices$"
+
+
+@pytest.mark.parametrize("key, closest", [
+    ("eugo.devise", "eugo.device"),
+    ("eugo.min_spedup", "eugo.min-speedup"),
+    ("eugo.emulated.memory-limt", "eugo.emulated.memory-limit"),
+    ("eugo.profiles", "eugo.profile"),
+])
+def test_a_misspelt_key_raises_naming_the_closest(key, closest):
+    match = rf"^unknown setting {re.escape(key)} \(did you mean {re.escape(closest)}\?\)" + _ALLOWED
+    x = da.ones(10, chunks=5) + 1
+    with dask.config.set({key: "emulated"}):
+        with pytest.raises(ValueError, match=match):
+            read_settings()
+        with dask.config.set(optimizations=[eugo_dask.eugo]):
+            with pytest.raises(ValueError, match=match):  # on the client, as the graph is made
+                x.compute(scheduler="sync")
+            with pytest.raises(ValueError, match=match):  # as it is pickled for a scheduler
+                pickle.dumps(eugo_dask.optimization.bridge)
+        with pytest.raises(ValueError, match=match):
+            eugo_dask.explain(x)
+        from eugo_dask.config import worker_setting_problems
+
+        assert any(re.match(match, p) for p in worker_setting_problems())
+
+
+def test_a_key_far_from_any_names_none_and_lists_them_all():
+    with dask.config.set({"eugo.zzz": 1}), pytest.raises(ValueError, match="^unknown setting eugo.zzz" + _ALLOWED):
+        read_settings()
+    with dask.config.set({"eugo.emulated": 3}), pytest.raises(
+            ValueError, match=r"^eugo.emulated must be a mapping of eugo.emulated.memory-limit, "
+                              r"eugo.emulated.devices; got 3$"):
+        read_settings()
+
+
+def test_every_known_spelling_is_accepted():
+    """Underscores for hyphens (as Dask's config takes them), and settings whose values are
+    mappings or lists (their own keys are values, not eugo's)."""
+    with dask.config.set({"eugo.min_speedup": 3, "eugo.emulated.memory_limit": "1 GiB",
+                          "eugo.device_memory_fraction": 0.5,
+                          "eugo.profile": {"base": "h200", "cpu": "server-x86"},
+                          "eugo.cluster-profile": [{"base": "t4"}, "l4"]}):
+        settings = read_settings()
+    assert (settings.min_speedup, settings.emulated_memory_limit, settings.device_memory_fraction,
+            settings.profile) == (3, 1 << 30, 0.5, {"base": "h200", "cpu": "server-x86"})
+
+
+_READ_SETTINGS = """
+import eugo_dask
+try:
+    print(eugo_dask.read_settings().min_speedup)
+except ValueError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("env, out", [
+    ({"DASK_EUGO__MIN_SPEEDUP": "3.5", "DASK_EUGO__EMULATED__MEMORY_LIMIT": "1GiB"}, "3.5"),
+    ({"DASK_EUGO__MIN_SPEDUP": "3.5"}, "unknown setting eugo.min_spedup (did you mean eugo.min-speedup?)"),
+    ({"DASK_EUGO__EMULATED__DEVICE": "2"}, "unknown setting eugo.emulated.device (did you mean eugo.emulated.devices?)"),
+])
+def test_keys_from_the_environment_and_config_files(env, out, tmp_path):
+    (tmp_path / "eugo.yaml").write_text("eugo:\n  device_memory_fraction: 0.5\n  emulated:\n    devices: 2\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+    result = subprocess.run([sys.executable, "-c", _READ_SETTINGS], capture_output=True, text=True,
+                            env={**base, "DASK_CONFIG": str(tmp_path), **env}, check=True, timeout=120)
+    assert result.stdout.startswith(out), result
+
+
+def test_explain_names_an_unknown_setting():
+    x = da.ones(10, chunks=5) + 1
+    with pytest.raises(TypeError, match=r"^unknown explain\(\) setting min_spedup \(did you mean "
+                                        r"min_speedup\?\); allowed: device, profile, .*min_speedup"):
+        eugo_dask.explain(x, min_spedup=0)
+    assert eugo_dask.explain(x, min_speedup=0, device="emulated").gpu_keys  # the known ones work
