@@ -205,6 +205,13 @@ def roles_of_rewritten(dsk: Graph, resource: str) -> TaskRoles:
     return TaskRoles(roles, resource)
 
 
+def written_by_eugo(node: Any) -> bool:
+    """Whether ``node`` is a task eugo wrote: device work or a copy to or from the device (also
+    fused by Dask into a task of its own after the pass), told by its function, whatever its
+    key is called."""
+    return _rewritten_role(node) in DEVICE_ROLES
+
+
 def _rewritten_role(node: GraphNode) -> Role | None:
     if type(node) is not Task:
         return None
@@ -215,7 +222,7 @@ def _rewritten_role(node: GraphNode) -> Role | None:
     if node.func is to_host:
         return TOHOST_ROLE
     parts = fused(node)
-    if parts is not None and any(_rewritten_role(n) for n in parts.inner.values()):
+    if parts is not None and any(map(written_by_eugo, parts.inner.values())):
         return GPU_ROLE  # fused by Dask after the first pass: device work inside
     families = task_families(node)
     if families & HOST_FAMILIES and not families & GPU_FAMILIES:

@@ -271,3 +271,31 @@ def test_the_plan_token_follows_settings_and_profile_file(tmp_path):
     os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
     edited = token()
     assert edited not in (first, other)
+
+
+# ---------------------------------------------------------------------------------------------
+# A graph eugo rewrote before is told by its tasks
+# ---------------------------------------------------------------------------------------------
+def test_work_added_to_an_optimized_collection_is_not_taken_for_device_work(emulated):
+    """A task Dask fused after the pass (a read blockwise-fused into an add on top of an
+    optimized collection) is device work only where eugo's tasks are inside it: a read inside
+    made it one, asking for the GPU resource."""
+
+    class Lazy:  # read through getter, as zarr/h5py arrays are
+        shape, dtype, ndim = A.shape, A.dtype, A.ndim
+
+        def __getitem__(self, index):
+            return A[index]
+
+    a = da.from_array(A, chunks=100)
+    (once,) = dask.optimize(np.exp(a) @ a.T)
+    z = once + da.from_array(Lazy(), chunks=100)
+    graph = z.__dask_optimize__(z.__dask_graph__(), z.__dask_keys__())
+    (layer,) = graph.layers.values()
+    roles, resources = layer.annotations["eugo"], layer.annotations["resources"]
+    added = [k for k in layer.mapping if k[0] == z.name]
+    assert len(added) == 4 and not any(map(roles, added)) and not any(map(resources, added))
+    assert {roles(k)["role"] for k in layer.mapping if k[0].startswith("eugo-gpu")} == {"gpu"}
+    with dask.config.set(optimizations=[]):
+        expected = (np.exp(a) @ a.T + A).compute(scheduler="sync")
+    assert_eq(z.compute(scheduler="sync"), expected)
