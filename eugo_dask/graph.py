@@ -314,17 +314,17 @@ def optimize_without_linear_fusion(dsk: Any, keys: Any) -> Any:
     return dsk.cull(set(keys))
 
 
-def materialized_keys(dsk: Any) -> Iterator[Key]:
-    """Keys of ``dsk``'s layers that are materialized already (all of a plain dict's), without
+def materialized_layers(dsk: Any) -> Iterator[Mapping[Key, Any]]:
+    """``dsk``'s layers that are materialized already (a plain dict: itself), without
     materializing the others (a collection's new Blockwise layers)."""
     from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
     if not isinstance(dsk, HighLevelGraph):
-        yield from dsk
+        yield dsk
         return
     for layer in dsk.layers.values():
         if isinstance(layer, MaterializedLayer):
-            yield from layer.mapping
+            yield layer.mapping
 
 
 def alias_targets(dsk: Graph) -> dict[Key, Key]:

@@ -26,11 +26,11 @@ import sys
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import dask
-from dask._task_spec import GraphNode
+from dask._task_spec import Alias, GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
 from dask.base import is_dask_collection, tokenize
 
@@ -48,14 +48,23 @@ from eugo_dask.graph import (
     ChunkInfo,
     Key,
     flatten_keys,
-    materialized_keys,
+    materialized_layers,
     optimize_without_linear_fusion,
     task_spec_dict,
 )
 from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile, load_profile
-from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
+from eugo_dask.rewrite import (
+    D2H_PREFIX,
+    GPU_PREFIX,
+    H2D_PREFIX,
+    Rewrite,
+    annotated_graph,
+    rewrite_graph,
+    roles_of_rewritten,
+    written_by_eugo,
+)
 from eugo_dask.runtime import EVENT_TOPIC, device_first_use_paid, device_started
 from eugo_dask.unfuse import split_mixed_tasks
 
@@ -135,12 +144,44 @@ def _tell_scheduler(scheduler: Any, warning: str, *, client: bool) -> None:
             "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
 
 
-def _may_be_ours(keys: Iterable[Key]) -> bool:
-    """Whether any of ``keys`` may be one eugo wrote: eugo's keys (and names Dask's fusion
-    makes from them) carry these words. Each layer's name is looked at once."""
-    names = {key[0] if type(key) is tuple else key for key in keys}
-    return any(isinstance(name, str) and ("eugo-gpu" in name or "eugo-todevice" in name
-                                          or "eugo-tohost" in name) for name in names)
+def _may_be_ours(layers: Iterable[Mapping[Key, Any]]) -> bool:
+    """Whether a graph (``layers``: its materialized layers) holds tasks eugo wrote: it was
+    optimized with eugo before (``dask.optimize``, then ``compute``).
+
+    Told by what a task is (:func:`~eugo_dask.rewrite.written_by_eugo`: its function), not by
+    its name, which anyone can choose (``teugo-gpu-survey``). One task per layer name is looked
+    at (a layer's tasks share their function), and only under names that carry one of eugo's
+    key prefixes (as the names Dask's fusion makes from eugo's keys do too): on other graphs,
+    the work per task is collecting layer names."""
+    for mapping in layers:
+        names = {key[0] if type(key) is tuple else key for key in mapping}
+        candidates = {name for name in names
+                      if isinstance(name, str) and any(p in name for p in _PREFIXES)}
+        if not candidates:  # (the common case: no such name)
+            continue
+        for key in mapping:  # a task of each candidate's
+            name = key[0] if type(key) is tuple else key
+            if name in candidates:
+                if written_by_eugo(_resolved(mapping, key)):
+                    return True
+                candidates.discard(name)
+                if not candidates:
+                    break
+    return False
+
+
+_PREFIXES = (GPU_PREFIX, H2D_PREFIX, D2H_PREFIX)
+
+
+def _resolved(mapping: Mapping[Key, Any], key: Key) -> Any:
+    """The node of ``key``, or where it is an alias (Dask's fusion leaves one under each key
+    it renamed) the node it stands for, within ``mapping``."""
+    node = mapping[key]
+    for _ in range(len(mapping)):
+        if not isinstance(node, Alias) or node.target not in mapping:
+            break
+        node = mapping[node.target]
+    return node
 
 
 def _device_memory_bytes(settings: Settings, device: str, profile_memory: float) -> float:
@@ -306,7 +347,7 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         if chunk_info is not None:
             chunks = chunk_info.merge(chunks)
         graph = task_spec_dict(dsk)
-        if _may_be_ours(graph):
+        if _may_be_ours([graph]):
             # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
             # placement, restore the annotations Dask's fusion dropped.
             return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
@@ -402,7 +443,7 @@ def run_optimizations(
 ) -> Any:
     """Dask's array optimization, then each of ``passes`` in order."""
     chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
-    if chunk_info is not None and _may_be_ours(materialized_keys(dsk)):
+    if chunk_info is not None and _may_be_ours(materialized_layers(dsk)):
         # optimized with eugo before (dask.optimize, then compute): Dask's linear fusion would
         # glue eugo's copies to the reads and host tasks beside them; blockwise fusion of the
         # layers added since and culling still run

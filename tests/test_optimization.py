@@ -274,8 +274,32 @@ def test_the_plan_token_follows_settings_and_profile_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# A graph eugo rewrote before is told by its tasks
+# A graph eugo rewrote before is told by its tasks, not by names anyone can choose
 # ---------------------------------------------------------------------------------------------
+def _survey(name):
+    x = da.from_array(A, chunks=50, name=name)
+    return (np.sin(x) @ x.T + 1).sum(axis=0)
+
+
+@pytest.mark.parametrize("name", ["teugo-gpu-survey", "eugo-tohost-x", "my-eugo-todevice-data"])
+def test_a_layer_named_like_eugos_keys_is_planned_as_any_other(name, emulated, monkeypatch):
+    """Its name made the pass take the graph for one it had rewritten: explain() planned GPU
+    tasks, compute ran none, and Dask's linear fusion was skipped."""
+    partial = []
+    original = optimization_module.optimize_without_linear_fusion
+    monkeypatch.setattr(optimization_module, "optimize_without_linear_fusion",
+                        lambda *args: partial.append(args) or original(*args))
+    with dask.config.set(optimizations=[]):
+        expected = _survey(name).compute(scheduler="sync")
+    plan = eugo_dask.explain(_survey(name))
+    assert len(plan.gpu_keys) == len(eugo_dask.explain(_survey("survey")).gpu_keys) > 0
+    eugo_dask.reset_device_stats()
+    result = _survey(name).compute(scheduler="sync")
+    assert_eq(result, expected)
+    assert eugo_dask.device_stats()["tasks"] == len(plan.gpu_keys)
+    assert not partial  # Dask's own optimization, linear fusion included
+
+
 def test_work_added_to_an_optimized_collection_is_not_taken_for_device_work(emulated):
     """A task Dask fused after the pass (a read blockwise-fused into an add on top of an
     optimized collection) is device work only where eugo's tasks are inside it: a read inside
