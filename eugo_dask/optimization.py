@@ -65,7 +65,7 @@ from eugo_dask.rewrite import (
     roles_of_rewritten,
     written_by_eugo,
 )
-from eugo_dask.runtime import EVENT_TOPIC, device_first_use_paid, device_started
+from eugo_dask.runtime import EVENT_TOPIC, PlannedDevice, device_first_use_paid, device_started
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -420,7 +420,10 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: 
         return dsk
     logger.debug("eugo: %d of %d tasks on the GPU", len(gpu_keys), len(plan))
     submission = _submitted.get()
-    how = Rewrite(settings.device, settings.resource, _token(settings, profile),
+    # planned for a local scheduler, the tasks carry the settings: a processes scheduler's pool
+    # processes have Dask's defaults (a cluster's workers use their own)
+    device = settings.device if submission else PlannedDevice.here(settings.device)
+    how = Rewrite(device, settings.resource, _token(settings, profile),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {})
     rewritten = rewrite_graph(graph, plan, described.description, original,

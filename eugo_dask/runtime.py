@@ -26,8 +26,10 @@ task.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
+import os
 import re
 import sys
 import threading
@@ -35,6 +37,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import dask
 import numpy as np
 from dask._task_spec import DataNode, Task
 from dask.utils import funcname
@@ -152,6 +155,50 @@ def _emulated_device() -> EmulatedDevice:
 set_rebuild_device(_emulated_device)
 
 
+class PlannedDevice(str):
+    """A device's name as a plan made in this process for a local scheduler writes it into its
+    tasks, with the ``eugo.*`` settings the plan was made under.
+
+    The processes scheduler's pool processes start with Dask's default config: settings made
+    with ``dask.config.set`` never reach them, and every GPU-planned task would run its CPU path
+    there while the plan counted on the device. A task that meets such a name in another process
+    that is no distributed worker first takes those settings for its process
+    (:func:`_adopt_planned_settings`); a worker keeps its own. It is the name itself everywhere
+    else (a ``str``); graphs for a distributed scheduler carry plain names."""
+
+    settings: dict[str, Any]
+    pid: int
+
+    def __new__(cls, name: str, settings: dict[str, Any], pid: int) -> PlannedDevice:
+        planned = super().__new__(cls, name)
+        planned.settings, planned.pid = settings, pid
+        return planned
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PlannedDevice, (str(self), self.settings, self.pid))
+
+    @classmethod
+    def here(cls, name: str) -> PlannedDevice:
+        """``name``, planned in this process under the ``eugo.*`` settings in force."""
+        settings = copy.deepcopy(dask.config.get("eugo", {}))
+        settings["device"] = name
+        return cls(name, settings, os.getpid())
+
+
+_adopted: list[dict[str, Any]] = []  # the planned settings this process took, the last one
+
+
+def _adopt_planned_settings(name: str) -> None:
+    """Where a task planned in another process runs outside any distributed worker (a
+    processes scheduler's pool process): take the ``eugo.*`` settings it was planned under."""
+    if type(name) is str or not isinstance(name, PlannedDevice) or name.pid == os.getpid():
+        return
+    if (_adopted and _adopted[0] == name.settings) or _current_worker() is not None:
+        return
+    dask.config.update(dask.config.config, {"eugo": copy.deepcopy(name.settings)})
+    _adopted[:] = [name.settings]
+
+
 def usable_device(name: str) -> Device | None:
     """The device a task planned for ``name`` may use in this process, or None
     (:func:`why_no_device` says why).
@@ -159,8 +206,10 @@ def usable_device(name: str) -> Device | None:
     The process's own ``eugo.device`` decides: a worker set to ``none`` never uses a device; the
     emulated device runs only where ``eugo.device`` is ``emulated`` (a CPU worker does not
     pretend); CuPy runs where ``auto`` or ``cupy`` finds a CUDA device. An invalid setting on
-    this worker uses no device (and is reported where the worker starts).
+    this worker uses no device (and is reported where the worker starts). A task planned in
+    another process for a local scheduler brings its plan's settings (:class:`PlannedDevice`).
     """
+    _adopt_planned_settings(name)
     if _setting_problem() is not None:
         return None
     local = process_device()

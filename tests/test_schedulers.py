@@ -58,6 +58,25 @@ def test_processes_scheduler():
     assert_eq(result, EXPECTED)  # device counters live in the worker processes
 
 
+def test_processes_scheduler_pool_runs_the_plan_on_the_device():
+    """The pool's processes start with Dask's default config (eugo.device: auto, no emulated
+    device): the settings the plan was made under travel with its tasks, so device tasks run on
+    the device there, rather than each falling back to the CPU."""
+    import dask.multiprocessing
+
+    from eugo_dask.emulated import EmulatedDeviceArray
+
+    with dask.config.set(SETTINGS):
+        x = pipeline()
+        graph = dict(x.__dask_optimize__(x.__dask_graph__(), x.__dask_keys__()))
+        on_device = [k for k in graph if isinstance(k, tuple) and k[0].startswith("eugo-gpu")]
+        assert on_device
+        # the device results themselves, as the pool's processes made them (a CPU path's
+        # result arrives here as a host array, a device array as one of this emulated device)
+        results = dask.multiprocessing.get(graph, on_device[:3], num_workers=2)
+    assert all(type(r) is EmulatedDeviceArray for r in results), [type(r) for r in results]
+
+
 def test_local_cluster_in_process():
     with LocalCluster(
         n_workers=1, processes=False, threads_per_worker=2, resources={"GPU": 1},
