@@ -57,7 +57,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -223,6 +223,43 @@ _live_devices: weakref.WeakSet[Device] = weakref.WeakSet()
 def device_memory_stats() -> list[dict[str, Any]]:
     """:meth:`Device.memory_stats` of every device built in this process."""
     return [device.memory_stats() for device in list(_live_devices)]
+
+
+class DeferringLock:
+    """A lock for books that finalizers change: the finalizer queues its change, the lock's
+    next holder makes it.
+
+    A finalizer (``weakref.finalize``) runs where its object dies, and an object in a reference
+    cycle dies wherever the cyclic collector runs: inside any allocation, on any thread, also
+    on a thread that holds this very lock. Waiting for the lock there would wait for ever (a
+    plain lock is not reentrant; a reentrant one would let the finalizer change the books in
+    the middle of its holder's update). So a finalizer never takes the lock: :meth:`defer`
+    queues its change (an atomic deque append) and whoever takes the lock next makes the
+    queued changes first, as CPython's and CuPy's memory pools defer frees that arrive under
+    their locks. Use it as a context manager."""
+
+    __slots__ = ("_lock", "_deferred")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._deferred: deque[tuple[Callable[..., None], tuple[Any, ...]]] = deque()
+
+    def defer(self, change: Callable[..., None], *args: Any) -> None:
+        """Have the lock's next holder call ``change(*args)`` (from a finalizer: never blocks)."""
+        self._deferred.append((change, args))
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        try:
+            while self._deferred:
+                change, args = self._deferred.popleft()
+                change(*args)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._lock.release()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -760,6 +797,7 @@ class CupyDevice(Device):
         self._ready: set[int] = set()
         self._ready_lock = threading.Lock()
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
+        self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
         self._staging_total = 0
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
@@ -827,14 +865,15 @@ class CupyDevice(Device):
         staging = getattr(self._local, "staging", None)
         if staging is None:
             staging = self._local.staging = _Staging(self.cupy, self.settings.staging_bytes)
-            with self._lock:
+            with self._staging_lock:
                 self._staging_total += 2 * self.settings.staging_bytes
-            weakref.finalize(staging, self._forget_staging, 2 * self.settings.staging_bytes)
+            weakref.finalize(staging, self._staging_lock.defer, self._forget_staging,
+                             2 * self.settings.staging_bytes)
         return staging
 
     def _forget_staging(self, nbytes: int) -> None:
-        with self._lock:
-            self._staging_total -= nbytes
+        """A dead thread's buffers are gone (under the staging lock, :class:`DeferringLock`)."""
+        self._staging_total -= nbytes
 
     @contextlib.contextmanager
     def _scope(self, ordinal: int):
@@ -985,8 +1024,10 @@ class CupyDevice(Device):
             entry["fft_plans"] = sum(int(c.get_curr_size()) for c in plans)
             entry["fft_plan_bytes"] = sum(int(c.get_curr_memsize()) for c in plans)
             ordinals.append(entry)
+        with self._staging_lock:
+            pinned = self._staging_total
         return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
-                "pinned_bytes": self._staging_total,
+                "pinned_bytes": pinned,
                 "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}

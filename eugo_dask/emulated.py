@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 import time
 import weakref
 from collections import deque
@@ -48,6 +47,7 @@ from eugo_dask.devices import (
     STICKY,
     STICKY_CUDA_STATUSES,
     UNAVAILABLE,
+    DeferringLock,
     Device,
     DeviceSettings,
     _classify_by_name,
@@ -118,7 +118,8 @@ class EmulatedDevice(Device):
         self._count = int(count)
         self._used = [0] * count
         self._held = [0] * count
-        self._pool_lock = threading.Lock()
+        # arrays are freed by finalizers, which may run inside the pool's locked sections
+        self._pool_lock = DeferringLock()
         self._faults: deque[tuple[str, str]] = deque()
         self._lost: BaseException | None = None
         fraction = (settings or DeviceSettings()).memory_fraction
@@ -132,10 +133,12 @@ class EmulatedDevice(Device):
     @property
     def used_bytes(self) -> int:
         """Bytes in live arrays on all emulated devices."""
-        return sum(self._used)
+        with self._pool_lock:
+            return sum(self._used)
 
     def used_bytes_on(self, ordinal: int) -> int:
-        return self._used[ordinal]
+        with self._pool_lock:
+            return self._used[ordinal]
 
     # -- faults -------------------------------------------------------------------------------
     def inject_fault(self, kind: str, *, where: str = "compute", count: int = 1) -> None:
@@ -180,9 +183,10 @@ class EmulatedDevice(Device):
             self._used[ordinal] += nbytes
 
     def _release(self, nbytes: int, ordinal: int) -> None:
-        with self._pool_lock:
-            self._used[ordinal] -= nbytes
-            self._held[ordinal] += nbytes
+        """A freed array's block goes back to the pool (under the pool lock: its finalizer
+        defers this to the lock's next holder)."""
+        self._used[ordinal] -= nbytes
+        self._held[ordinal] += nbytes
 
     def memory_stats(self) -> dict[str, Any]:
         with self._pool_lock:
@@ -214,7 +218,7 @@ class EmulatedDevice(Device):
         nbytes = int(data.nbytes)
         self._allocate(nbytes, ordinal)
         arr = EmulatedDeviceArray(data, self, ordinal)
-        weakref.finalize(arr, self._release, nbytes, ordinal)
+        weakref.finalize(arr, self._pool_lock.defer, self._release, nbytes, ordinal)
         return arr
 
     def _result(self, data: np.ndarray, ordinal: int) -> EmulatedDeviceArray:

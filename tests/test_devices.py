@@ -514,3 +514,106 @@ def test_gpu_extra_lets_distributed_serialize_cupy_arrays(cupy_without_gpu):
     assert dask_serialize.dispatch(cupy.ndarray) is not None  # registers; ImportError without numba
     assert install_receive_fallback()
     assert getattr(dask_deserialize.dispatch(cupy.ndarray), "_eugo_receive", False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Finalizers run by the cyclic collector inside a device's locked sections
+# ---------------------------------------------------------------------------------------------
+import gc  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+class _CollectingLock:
+    """A device's lock that runs the cyclic collector as soon as it is taken: what any
+    allocation inside a locked section may do, made certain."""
+
+    def __init__(self, lock):
+        self._inner = lock
+
+    def __enter__(self):
+        entered = self._inner.__enter__()
+        gc.collect()
+        return entered
+
+    def __exit__(self, *exc_info):
+        return self._inner.__exit__(*exc_info)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _collect_inside_locks(device):
+    """From here on garbage waits (no automatic collection) and is collected inside every
+    locked section of ``device``."""
+    gc.disable()
+    for name, value in list(vars(device).items()):
+        if "lock" in name and hasattr(type(value), "__enter__"):
+            setattr(device, name, _CollectingLock(value))
+
+
+def _in_a_fresh_process(scenario, timeout=60):
+    """Run ``scenario`` (a function of this module) in a new interpreter: a deadlock there
+    fails the test at ``timeout`` and leaves no thread stuck on a lock in this process."""
+    code = f"from tests.test_devices import {scenario.__name__}; {scenario.__name__}()"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{scenario.__name__} deadlocked: no end in {timeout} s")
+    assert out.returncode == 0, out.stderr
+
+
+def _free_an_emulated_array_under_the_pool_lock():
+    device = EmulatedDevice(10**6)
+    _collect_inside_locks(device)
+    cycle = [device.to_device(np.ones(1000))]
+    cycle.append(cycle)
+    del cycle
+    kept = device.to_device(np.ones(10))  # the collector frees the cycle's array in here
+    # the cycle's array was freed (its block held by the pool, as CuPy's), the new one is live
+    assert device.used_bytes == kept.nbytes == 80
+    assert device.memory_stats()["ordinals"][0]["pool_held_bytes"] == 8000
+
+
+def test_an_array_freed_by_the_collector_under_the_pool_lock_does_not_deadlock():
+    # issue: a device array in a reference cycle, freed by the cyclic collector while its
+    # thread held the pool lock, waited in its finalizer for that same lock for ever
+    _in_a_fresh_process(_free_an_emulated_array_under_the_pool_lock)
+
+
+def _free_staging_buffers_under_a_device_lock():
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=1)
+    sys.modules.update({"cupy": module, "cupy.fft": module.fft, "cupy.fft.config": module.fft.config})
+    dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024))
+    dev.direct_copy_bytes = 4096  # stage everything past 4 kB
+    x = dev.to_device(np.ones(100_000))  # this thread's two staging buffers
+    _collect_inside_locks(dev)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("copy failed")
+
+    fake_cupy.MemoryPointer.copy_to_host_async = fail
+
+    def copy_back_and_keep_the_error():
+        try:
+            dev.to_host(x)  # staged: this thread's buffers are made, then the copy fails
+        except RuntimeError as exc:
+            error = exc  # noqa: F841 (the frame keeps its error: a reference cycle)
+
+    thread = threading.Thread(target=copy_back_and_keep_the_error)
+    thread.start()
+    thread.join()
+    # the collector frees the dead thread's buffers in here; the main thread's are left
+    assert dev.memory_stats()["pinned_bytes"] == 2 * 64 * 1024
+
+
+def test_staging_buffers_freed_by_the_collector_under_a_device_lock_do_not_deadlock():
+    # the same shape on the CuPy path: a thread's staging buffers outlive it in a reference
+    # cycle (an error kept by the frame that caught it, whose traceback holds the copy's frame)
+    _in_a_fresh_process(_free_staging_buffers_under_a_device_lock)
