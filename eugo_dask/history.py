@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 MIN_SAMPLES = 5
 SPIKE_FACTOR = 5.0
 MAX_SAMPLES = 64
+#: The largest size bucket (:func:`size_bucket` of the largest float).
+MAX_BUCKET = 1024
 
 
 def size_bucket(nbytes: float) -> int:
@@ -123,21 +125,63 @@ class RuntimeHistory:
             logger.warning("eugo: cannot save runtime history to %s: %s", self.path, e)
 
     def load(self) -> None:
+        """Read the saved history. It may have been edited by hand or by someone else, and it
+        must never make the pass fail: a file that cannot be read or parsed is ignored, a
+        malformed entry is dropped and the rest used, impossible durations are dropped from
+        their entry, each said once in a warning naming the file."""
         if self.path is None:
             return
         try:
-            data = json.loads(self.path.read_text())
-            for b in data["buckets"]:
-                key = (str(b["op"]), str(b["device"]), int(b["bucket"]))
-                samples = [float(x) for x in b["s_per_byte"]]
-                kept = [x for x in samples if math.isfinite(x) and x >= 0]
-                if len(kept) < len(samples):  # a file edited by hand, or by someone else
-                    logger.warning("eugo: ignoring %d negative or non-finite durations in %s",
-                                   len(samples) - len(kept), self.path)
-                self._samples[key] = kept[-self.max_samples:]
-                self._warmed.add(key)
+            entries = json.loads(self.path.read_text())["buckets"]
+            if not isinstance(entries, list):
+                raise TypeError(f"'buckets' is a {type(entries).__name__}, not a list")
         except (OSError, ValueError, KeyError, TypeError) as e:
             logger.warning("eugo: ignoring unreadable runtime history %s: %s", self.path, e)
+            return
+        malformed = dropped = 0
+        for entry in entries:
+            parsed = _parse_entry(entry)
+            if parsed is None:
+                malformed += 1
+                continue
+            key, samples = parsed
+            kept = [x for x in samples if math.isfinite(x) and x >= 0]
+            dropped += len(samples) - len(kept)
+            self._samples[key] = kept[-self.max_samples:]
+            self._warmed.add(key)
+        if malformed:
+            logger.warning("eugo: ignoring %d malformed entries of runtime history %s (an entry "
+                           "is {\"op\": string, \"device\": string, \"bucket\": integer 0-%d, "
+                           "\"s_per_byte\": list of numbers})", malformed, self.path, MAX_BUCKET)
+        if dropped:
+            logger.warning("eugo: ignoring %d negative or non-finite durations in %s", dropped,
+                           self.path)
+
+
+def _parse_entry(entry: Any) -> tuple[tuple[str, str, int], list[float]] | None:
+    """A saved entry as its key and durations, or None where it is malformed."""
+    if not isinstance(entry, dict):
+        return None
+    op, device, bucket, samples = (entry.get(k) for k in ("op", "device", "bucket", "s_per_byte"))
+    if not (isinstance(op, str) and isinstance(device, str) and isinstance(samples, list)
+            and isinstance(bucket, (int, float)) and not isinstance(bucket, bool)
+            and 0 <= bucket <= MAX_BUCKET and bucket == int(bucket)):
+        return None
+    durations = [_duration(x) for x in samples]
+    numbers = [d for d in durations if d is not None]
+    if len(numbers) < len(durations):
+        return None
+    return (op, device, int(bucket)), numbers
+
+
+def _duration(value: Any) -> float | None:
+    """A saved duration as a float, None where it is no number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,3 +131,28 @@ def test_impossible_durations_in_a_file_are_dropped(tmp_path, caplog):
     h = RuntimeHistory(path, min_samples=3)
     assert "ignoring 6 negative or non-finite durations" in caplog.text
     assert h.estimate("matmul", "gpu", NBYTES) == pytest.approx(1e-9 * NBYTES)
+
+
+def _entry(bucket, samples="[1e-9, 1e-9, 1e-9, 1e-9, 1e-9]"):
+    return f'{{"op": "matmul", "device": "gpu", "bucket": {bucket}, "s_per_byte": {samples}}}'
+
+
+def test_a_bad_entry_is_dropped_and_the_rest_used(tmp_path, caplog):
+    # issue: an infinite or nested bucket made every pass fail (graph run unchanged)
+    from eugo_dask.optimization import pass_stats
+
+    path = tmp_path / "history.json"
+    path.write_text(f'{{"version": 1, "buckets": [{_entry("Infinity")}, {_entry("[[23]]")}, '
+                    f'{_entry(23)}]}}')
+    settings = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated",
+                "eugo.profile": H200_SERVER, "eugo.learn": True, "eugo.history": str(path)}
+    before = pass_stats()
+    with dask.config.set(settings):
+        result = _pipeline().compute(scheduler="sync")
+    after = pass_stats()
+    np.testing.assert_allclose(result, _pipeline().compute(scheduler="sync"))
+    assert after["pass_errors"] == before["pass_errors"]
+    assert after["graphs_planned"] == before["graphs_planned"] + 1
+    assert f"ignoring 2 malformed entries of runtime history {path}" in caplog.text
+    history = get_history(str(path))
+    assert history.estimate("matmul", "gpu", NBYTES) == pytest.approx(1e-9 * NBYTES)
