@@ -135,7 +135,7 @@ class RuntimeHistory:
             entries = json.loads(self.path.read_text())["buckets"]
             if not isinstance(entries, list):
                 raise TypeError(f"'buckets' is a {type(entries).__name__}, not a list")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             logger.warning("eugo: ignoring unreadable runtime history %s: %s", self.path, e)
             return
         malformed = dropped = 0
@@ -175,11 +175,14 @@ def _parse_entry(entry: Any) -> tuple[tuple[str, str, int], list[float]] | None:
 
 
 def _duration(value: Any) -> float | None:
-    """A saved duration as a float, None where it is no number."""
+    """A saved duration as a float (infinite past the floats' range), None where it is no
+    number."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         return None
     try:
         return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return math.inf
     except ValueError:
         return None
 

@@ -314,7 +314,7 @@ def cached_local_cpu(*, accept: Callable[[dict[str, Any]], bool] = lambda data: 
         data = json.loads(path.read_text())
         if isinstance(data, dict) and accept(data):
             return data
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # none yet, or not JSON: measure again
         pass
     data = measure_local_cpu()
     try:

@@ -156,3 +156,28 @@ def test_a_bad_entry_is_dropped_and_the_rest_used(tmp_path, caplog):
     assert f"ignoring 2 malformed entries of runtime history {path}" in caplog.text
     history = get_history(str(path))
     assert history.estimate("matmul", "gpu", NBYTES) == pytest.approx(1e-9 * NBYTES)
+
+
+@pytest.mark.parametrize("text", [
+    f'{{"version": 1, "buckets": [{_entry(23, "[" + "9" * 400 + "]")}]}}',  # float() overflows
+    '{"version": 1, "buckets": ' + "[" * 100_000 + "]" * 100_000 + "}",  # past the recursion limit
+])
+def test_a_poisoned_history_is_reported_once_and_ignored(tmp_path, caplog, text):
+    # issue: a 400-digit integer or deep nesting raised OverflowError/RecursionError out of the
+    # loader: every pass failed, and read the file again
+    from eugo_dask.optimization import pass_stats
+
+    path = tmp_path / "history.json"
+    path.write_text(text)
+    settings = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated",
+                "eugo.profile": H200_SERVER, "eugo.learn": True, "eugo.history": str(path)}
+    before = pass_stats()
+    with dask.config.set(settings):
+        for _ in range(2):
+            _pipeline().compute(scheduler="sync")
+    after = pass_stats()
+    assert after["pass_errors"] == before["pass_errors"]
+    assert after["graphs_planned"] == before["graphs_planned"] + 2
+    reports = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(reports) == 1, reports
+    assert get_history(str(path)).estimate("matmul", "gpu", NBYTES) is None

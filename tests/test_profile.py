@@ -145,6 +145,17 @@ def test_local_cpu_measured_once_and_cached(tmp_path, monkeypatch):
     assert p.cpu.threads >= 1
 
 
+def test_a_poisoned_cpu_cache_is_measured_again(tmp_path, monkeypatch):
+    # nesting past Python's recursion limit raised RecursionError out of every profile load
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = measure.cpu_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    monkeypatch.setattr(measure, "measure_local_cpu", lambda: {"measured": True})
+    assert measure.cached_local_cpu() == {"measured": True}
+    assert json.loads(path.read_text()) == {"measured": True}  # and cached in its place
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA device models -> presets (exact names, memory from the device)
 # ---------------------------------------------------------------------------------------------
