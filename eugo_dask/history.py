@@ -21,7 +21,6 @@ The history is saved as JSON (``eugo.history``, default ``~/.cache/eugo-dask/his
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from eugo_dask.files import cache_dir, machine_id, write_json_atomic
+from eugo_dask.files import UnsafeLocation, cache_dir, machine_id, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +120,8 @@ class RuntimeHistory:
         try:
             write_json_atomic(self.path, self.to_dict())
             self._dirty = 0
+        except UnsafeLocation:  # refused, and said once (eugo_dask.files)
+            pass
         except OSError as e:  # a read-only home must not break a computation
             logger.warning("eugo: cannot save runtime history to %s: %s", self.path, e)
 
@@ -132,9 +133,11 @@ class RuntimeHistory:
         if self.path is None:
             return
         try:
-            entries = json.loads(self.path.read_text())["buckets"]
+            entries = read_json(self.path)["buckets"]
             if not isinstance(entries, list):
                 raise TypeError(f"'buckets' is a {type(entries).__name__}, not a list")
+        except UnsafeLocation:  # refused, and said once (eugo_dask.files)
+            return
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             logger.warning("eugo: ignoring unreadable runtime history %s: %s", self.path, e)
             return

@@ -24,7 +24,6 @@ records first-use costs. Elementwise rates are in the cost model's flop-equivale
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -41,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from eugo_dask.devices import CupyDevice, DeviceSettings, cupy_device_name, import_cupy
-from eugo_dask.files import cache_dir, machine_id, write_json_atomic
+from eugo_dask.files import cache_dir, machine_id, read_json, write_json_atomic
 from eugo_dask.ops import UFUNC_WEIGHTS
 
 Progress = Callable[[str], None]
@@ -311,15 +310,15 @@ def cached_local_cpu(*, accept: Callable[[dict[str, Any]], bool] = lambda data: 
     takes it, else measured and cached."""
     path = cpu_cache_path()
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         if isinstance(data, dict) and accept(data):
             return data
-    except (OSError, ValueError, RecursionError):  # none yet, or not JSON: measure again
+    except (OSError, ValueError, RecursionError):  # none yet, refused, or not JSON: measure again
         pass
     data = measure_local_cpu()
     try:
         write_json_atomic(path, data, indent=2)
-    except OSError:  # read-only home: measure again next process
+    except OSError:  # read-only or refused: measure again next process
         pass
     return data
 
