@@ -14,6 +14,15 @@ records, per test, its outcome, the warnings it raised, and what eugo did meanwh
 rewritten, device tasks run, fallbacks, and errors inside the pass (the pass is fail-safe, so a
 pass error never fails a test; the report counts it as a difference all the same).
 
+With ``--eugo-distributed DIR`` the plugin runs distributed's own tests, vendored under ``DIR`` in
+distributed's source layout (its wheel has no tests): it makes ``distributed.shuffle.tests``
+importable from there and loads distributed's test fixtures (``distributed.utils_test``, what
+distributed's root ``conftest.py`` does). With ``--eugo=on`` too,
+every cluster those tests start is heterogeneous: every scheduler preloads eugo's plugin
+(``eugo_dask.plugin``) and this module, every worker preloads this module, and the first worker
+to ask its scheduler advertises the GPU resource (``eugo.resource``), the others none; config
+and environment carry this to clusters in subprocesses as well.
+
 The comparison prints each test whose outcome or warnings differ, except those listed in the
 allowed-differences file (``nodeid  # reason``: tests that assert the graph's own structure), and
 exits 1 when anything else differs.
@@ -22,7 +31,11 @@ exits 1 when anything else differs.
 from __future__ import annotations
 
 import argparse
+import ast
+import asyncio
+import itertools
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -33,6 +46,8 @@ import pytest
 
 #: Markers Dask's own conftest and pyproject register; registering them keeps strict markers quiet.
 _DASK_MARKERS = ("slow", "gpu", "network", "array_expr", "normal_and_array_expr")
+#: Markers distributed's pyproject registers, and pytest-rerunfailures' ``flaky`` its tests use.
+_DISTRIBUTED_MARKERS = ("ci1", "memray", "ipython", "leaking", "workerstate", "flaky")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,11 +58,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="eugo.min-speedup while --eugo=on (0: offload all that can be)")
     group.addoption("--eugo-report", default=None, help="write per-test outcomes here (JSON)")
     group.addoption("--runslow", action="store_true", help="run tests marked slow (as Dask's own)")
+    group.addoption("--eugo-distributed", default=None, metavar="DIR",
+                    help="the tests are distributed's own, vendored under DIR in its source layout: "
+                         "load its fixtures; with --eugo=on every cluster is heterogeneous")
+    group.addoption("--eugo-select", action="append", default=[], metavar="FILE:TEXT",
+                    help="in the test file named FILE, run only the test functions whose source "
+                         "contains TEXT (repeatable)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for marker in _DASK_MARKERS:
-        config.addinivalue_line("markers", f"{marker}: a marker of Dask's own test suite")
+    for marker in (*_DASK_MARKERS, *_DISTRIBUTED_MARKERS):
+        config.addinivalue_line("markers", f"{marker}: a marker of Dask's or distributed's test suite")
     pytest.register_assert_rewrite("dask.array.utils")
     config._eugo_results = {}  # type: ignore[attr-defined]
     if config.getoption("--eugo") == "on":
@@ -62,6 +83,118 @@ def pytest_configure(config: pytest.Config) -> None:
             "eugo.profile": "h200",
             "eugo.min-speedup": config.getoption("--eugo-min-speedup"),
         })
+        if config.getoption("--eugo-distributed"):
+            settings, environment = heterogeneous_clusters()
+            dask.config.set(settings)
+            os.environ.update(environment)
+    if config.getoption("--eugo-distributed"):
+        _distributed_tests(config, Path(config.getoption("--eugo-distributed")))
+
+
+def _distributed_tests(config: pytest.Config, root: Path) -> None:
+    """Make the test helpers vendored under ``root`` importable as distributed's own
+    (``distributed.shuffle.tests.utils``), and load distributed's test fixtures, after eugo's
+    config is set: ``distributed.utils_test`` snapshots Dask's config on import, and every
+    ``gen_cluster`` test restores that snapshot.
+
+    The test modules themselves are imported as pytest imports them from distributed's source
+    tree (``test_client``: ``distributed/tests`` is no package), except that ``test_rechunk``
+    becomes ``tests.test_rechunk``: the vendored tree has no ``distributed/__init__.py``, which
+    would shadow the installed distributed. The name matters where distributed looks at it:
+    the code of a computation skips frames of modules named ``distributed.*``."""
+    if "distributed.utils_test" in sys.modules:
+        raise pytest.UsageError("--eugo-distributed: distributed.utils_test was imported before eugo's "
+                                "config was set; its config snapshot would lack eugo")
+    import distributed.shuffle
+
+    folder = str(root / "distributed" / "shuffle")
+    if folder not in distributed.shuffle.__path__:
+        distributed.shuffle.__path__.append(folder)
+    config.pluginmanager.import_plugin("distributed.utils_test")
+
+
+def heterogeneous_clusters() -> tuple[dict[str, Any], dict[str, str]]:
+    """(Dask config, environment variables) that give every cluster distributed's tests start
+    eugo's scheduler plugin and one GPU worker (:func:`dask_setup`). The config reaches what
+    runs in this process and what it hands its config to (``gen_cluster``, ``LocalCluster``,
+    nannies); the environment, the schedulers and workers ``distributed.utils_test.cluster``
+    spawns, which read nothing else; it carries this process's ``eugo.*`` device settings too."""
+    import dask
+
+    settings: dict[str, Any] = {
+        "distributed.scheduler.preload": ["eugo_dask.plugin", __name__],
+        "distributed.worker.preload": [__name__],
+    }
+    inherited = {**settings, **{key: dask.config.get(key)
+                                for key in ("eugo.device", "eugo.profile", "eugo.min-speedup")}}
+    environment = {"DASK_" + key.upper().replace(".", "__").replace("-", "_"): repr(value)
+                   for key, value in inherited.items()}
+    return settings, environment
+
+
+#: The scheduler handler through which a worker asks whether it is its cluster's GPU worker.
+_CLAIM_GPU = "eugo_conformance_claim_gpu"
+#: Clusters and GPU workers made heterogeneous in this process (counted in each test's activity).
+_clusters = {"clusters": 0, "gpu_workers": 0}
+
+
+async def dask_setup(server: Any) -> None:
+    """Preload of schedulers and workers under ``--eugo-distributed --eugo=on``: the scheduler
+    grants the GPU resource to the first of its workers that asks; a worker asks before it
+    registers, so it advertises the resource from its first contact. A worker whose resources
+    the test set itself keeps them, and asks nothing."""
+    from distributed import Scheduler
+
+    if isinstance(server, Scheduler):
+        asked = itertools.count()
+        server.handlers[_CLAIM_GPU] = lambda: next(asked) == 0
+        _clusters["clusters"] += 1
+        return
+    if server.state.total_resources:
+        return
+    from eugo_dask.config import read_resource
+
+    try:
+        granted_here = await asyncio.wait_for(getattr(server.scheduler, _CLAIM_GPU)(), 10)
+    except (OSError, asyncio.TimeoutError, KeyError):  # no scheduler yet, or one without this preload
+        return
+    if granted_here:
+        # what Worker(resources=...) sets; Worker.set_resources would tell a scheduler that does
+        # not know this worker yet
+        resource = read_resource()
+        server.state.total_resources[resource] = 1
+        server.state.available_resources[resource] = 1
+        _clusters["gpu_workers"] += 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--eugo-select FILE:TEXT``: in FILE, only the test functions whose source holds TEXT."""
+    rules = [rule.partition(":")[::2] for rule in config.getoption("--eugo-select")]
+    if not rules:
+        return
+    sources: dict[Path, dict[str, str]] = {}
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        texts = [text for name, text in rules if item.path.name == name]
+        if not texts:
+            keep.append(item)
+            continue
+        if item.path not in sources:
+            sources[item.path] = _function_sources(item.path)
+        source = sources[item.path].get(getattr(item, "originalname", item.name), "")
+        (keep if all(text in source for text in texts) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _function_sources(path: Path) -> dict[str, str]:
+    """The source of each function defined in ``path`` (methods included), by name."""
+    text = path.read_text()
+    return {node.name: ast.get_source_segment(text, node) or ""
+            for node in ast.walk(ast.parse(text))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
 def _activity() -> dict[str, int]:
@@ -70,7 +203,7 @@ def _activity() -> dict[str, int]:
     from eugo_dask.optimization import pass_stats
 
     stats = device_stats()
-    return {"device_tasks": stats["tasks"], "fallbacks": stats["fallbacks"], **pass_stats()}
+    return {"device_tasks": stats["tasks"], "fallbacks": stats["fallbacks"], **pass_stats(), **_clusters}
 
 
 @pytest.hookimpl(tryfirst=True)
