@@ -13,7 +13,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
-from distributed import Client
+from distributed import Client, Nanny
 from distributed.utils_test import cluster, gen_cluster
 
 import eugo_dask
@@ -36,6 +36,9 @@ A = np.random.default_rng(5).random((300, 200))
 def pipeline():
     x = da.from_array(A, chunks=100)
     return (np.exp(x / 4) @ x.T).sum(axis=0)
+
+
+EXPECTED = (np.exp(A / 4) @ A.T).sum(axis=0)
 
 
 def test_select_runs_only_the_tests_whose_source_names_the_text(tmp_path):
@@ -84,10 +87,22 @@ async def test_a_cluster_gets_one_gpu_worker_and_eugo_scheduler_plugin(c, s, *wo
     assert _sorted(ws.resources for ws in s.workers.values()) == [{}, {}, {"A": 2}, {"GPU": 1}]
     assert "eugo" in s.plugins
     assert {k: _clusters[k] - _BEFORE[k] for k in _clusters} == {"clusters": 1, "gpu_workers": 1}
-    assert_eq(await c.compute(pipeline()), pipeline().compute(scheduler="sync"))
+    assert_eq(await c.compute(pipeline()), EXPECTED)
     (gpu,) = (w for w in workers if "GPU" in w.state.total_resources)
     assert device_tasks(gpu) > 0
     assert sum(device_tasks(w) for w in workers if w is not gpu) == 0
+
+
+@pytest.mark.slow
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("127.0.0.1", 1)] * 3, config={**EMULATED, **HETEROGENEOUS},
+             timeout=120)
+async def test_workers_under_nannies_get_the_same(c, s, *nannies):
+    # a nanny hands its worker process this process's config
+    resources = await c.run(lambda dask_worker: dask_worker.state.total_resources)
+    assert _sorted(resources.values()) == [{}, {}, {"GPU": 1}]
+    assert_eq(await c.compute(pipeline()), EXPECTED)
+    ran = await c.run(lambda dask_worker: device_tasks(dask_worker))
+    assert [ran[w] > 0 for w in sorted(ran, key=lambda w: len(resources[w]))] == [False, False, True]
 
 
 @pytest.mark.slow
@@ -99,7 +114,7 @@ def test_a_spawned_cluster_gets_one_gpu_worker_and_eugo_scheduler_plugin(monkeyp
         resources = client.run(lambda dask_worker: dask_worker.state.total_resources)
         assert _sorted(resources.values()) == [{}, {}, {"GPU": 1}]
         assert client.run_on_scheduler(lambda dask_scheduler: "eugo" in dask_scheduler.plugins)
-        assert_eq(client.compute(pipeline()).result(timeout=60), pipeline().compute(scheduler="sync"))
+        assert_eq(client.compute(pipeline()).result(timeout=60), EXPECTED)
         ran = client.run(lambda dask_worker: device_tasks(dask_worker))
         assert [ran[w] > 0 for w in sorted(ran, key=lambda w: len(resources[w]))] == [False, False, True]
 
