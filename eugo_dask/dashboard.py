@@ -124,7 +124,10 @@ class EugoDashboard:
             f"<b>{summary['bytes_d2h'] / 1e6:.1f} MB</b> back; "
             f"<b>{sum(summary['fallbacks'].values())}</b> fallbacks; estimated "
             f"<b>{summary['estimated_saved_s']:.3g} s</b> of task time saved; "
-            f"{len(runs)} computations planned.</p>"
+            f"{len(runs)} computations planned"
+            + (f"; <b>{summary['dropped_reports']}</b> worker reports dropped (not a finite "
+               "non-negative number)" if summary.get("dropped_reports") else "")
+            + ".</p>"
             + (f"<ul class='eugo-warnings'>{warnings}</ul>" if warnings else "")
         )
 

@@ -84,13 +84,18 @@ class EugoCollector:
         invalid = gauge("eugo_workers_with_invalid_settings",
                         "Workers whose own eugo settings are invalid (they use no device).")
         invalid.add_metric([], len(summary["invalid_settings"]))
+        dropped = gauge("eugo_dropped_worker_reports",
+                        "Series of workers' eugo reports dropped: their total is not a finite "
+                        "non-negative number (a task reported NaN, an infinity or a negative "
+                        "value under an eugo label).")
+        dropped.add_metric([], summary["dropped_reports"])
         errors = counter("eugo_plugin_errors", "Errors caught in the eugo scheduler plugin.")
         errors.add_metric([], summary["errors"])
         pass_errors = counter("eugo_pass_errors", "Failures of the eugo pass in this process "
                               "(each graph ran unchanged).")
         pass_errors.add_metric([], pass_stats()["pass_errors"])
         yield from (tasks, transfer, fallbacks, predicted, actual, saved, without, invalid,
-                    errors, pass_errors)
+                    dropped, errors, pass_errors)
 
 
 _collector: EugoCollector | None = None

@@ -378,30 +378,38 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def worker_reports(self) -> dict[str, Any]:
         """What workers report their eugo tasks did, per task prefix (from the Fine Performance
         Metrics they send with their heartbeats): tasks that ran on a device or on the CPU,
-        bytes copied each way, and fallbacks by category."""
+        bytes copied each way, and fallbacks by category.
+
+        Any task can report under eugo's labels (``context_meter.digest_metric``): a series
+        whose total is not a finite non-negative number (a NaN, an infinity or a negative value
+        reported into it) is dropped, and counted in ``dropped_reports``."""
         ran: dict[str, dict[str, int]] = {"gpu": {}, "cpu": {}}
-        h2d = d2h = 0.0
+        copied = {"eugo-h2d": 0, "eugo-d2h": 0}
         fallbacks: Counter[str] = Counter()
+        dropped = 0
         metrics = self.scheduler.cumulative_worker_metrics if self.scheduler is not None else {}
         for key, value in list(metrics.items()):
             if not (isinstance(key, tuple) and len(key) == 4 and key[0] == "execute"):
                 continue
             _, prefix, activity, unit = key
-            if activity == RAN_ON_DEVICE and unit == "tasks":
-                ran["gpu"][prefix] = ran["gpu"].get(prefix, 0) + int(value)
-            elif activity == RAN_ON_CPU and unit == "tasks":
-                ran["cpu"][prefix] = ran["cpu"].get(prefix, 0) + int(value)
-            elif activity == "eugo-h2d" and unit == "bytes":
-                h2d += value
-            elif activity == "eugo-d2h" and unit == "bytes":
-                d2h += value
+            if unit == "tasks" and activity in (RAN_ON_DEVICE, RAN_ON_CPU):
+                counts = ran["gpu" if activity == RAN_ON_DEVICE else "cpu"]
+            elif unit == "bytes" and activity in copied:
+                counts = copied
+                prefix = activity
             elif (unit == "tasks" and isinstance(activity, str)
-                  and activity.startswith("eugo-fallback-")):
-                category = activity.removeprefix("eugo-fallback-")
-                if category in FALLBACK_CATEGORIES:
-                    fallbacks[category] += int(value)
-        return {"ran": ran, "bytes_h2d": int(h2d), "bytes_d2h": int(d2h),
-                "fallbacks": dict(fallbacks)}
+                  and activity.startswith("eugo-fallback-")
+                  and activity[len("eugo-fallback-"):] in FALLBACK_CATEGORIES):
+                counts = fallbacks
+                prefix = activity[len("eugo-fallback-"):]
+            else:
+                continue
+            if not _is_count(value):
+                dropped += 1
+                continue
+            counts[prefix] = counts.get(prefix, 0) + int(value)
+        return {"ran": ran, "bytes_h2d": copied["eugo-h2d"], "bytes_d2h": copied["eugo-d2h"],
+                "fallbacks": dict(fallbacks), "dropped_reports": dropped}
 
     def summary(self) -> dict[str, Any]:
         """The counters, as plain data: tasks by where they ran (GPU tasks as workers report;
@@ -423,6 +431,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "bytes_d2h": reports["bytes_d2h"],
             "fallbacks": reports["fallbacks"],
             "fallback_reasons": {r: sorted(p) for r, p in self.fallback_reasons.items()},
+            "dropped_reports": reports["dropped_reports"],
             "estimated_saved_s": planned_saving * share,
             "prefixes": {p: s.to_dict() for p, s in self.prefixes.items()},
             "workers_without_device": dict(self.workers_without_device),
@@ -438,6 +447,12 @@ def _is_root(ts: TaskState) -> bool:
     since distributed queues only unrestricted root-ish tasks."""
     run_spec = ts.run_spec
     return not ts.dependencies or bool(getattr(run_spec, "data_producer", False))
+
+
+def _is_count(value: Any) -> bool:
+    """A finite, non-negative number (a reported count of tasks or bytes)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 def _compute_seconds(startstops: Any) -> float:

@@ -89,3 +89,43 @@ def test_a_failing_scrape_is_counted_not_raised():
     collector.attach(scheduler)
     (errors,) = list(collector.collect())
     assert errors.name == "eugo_metrics_errors" and errors.samples[0].value == 1
+
+
+def _digest(label, value, unit):
+    from distributed.metrics import context_meter
+
+    context_meter.digest_metric(label, value, unit)
+    return value
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_bad_number_from_a_task_is_dropped_and_counted(bad):
+    from distributed import wait
+
+    from eugo_dask.dashboard import EugoDashboard
+
+    with emulated_gpu_cluster(cpu_workers=1) as client:
+        poisoned = client.submit(_digest, "eugo-ran-on-device", bad, "tasks", key="poison-1")
+        wait(poisoned, timeout=30)
+        assert_eq(client.compute(pipeline()).result(timeout=60), (np.exp(A / 4) @ A.T).sum(axis=0))
+        scheduler = client.cluster.scheduler
+        plugin = scheduler.plugins["eugo"]
+
+        def reported():
+            return plugin.summary()["tasks"].get("gpu", {})
+
+        deadline = time.monotonic() + 30  # the counts arrive with the workers' heartbeats
+        while not (reported() and ("execute", "poison", "eugo-ran-on-device", "tasks")
+                   in scheduler.cumulative_worker_metrics):
+            assert time.monotonic() < deadline, scheduler.cumulative_worker_metrics
+            time.sleep(0.2)
+        summary = plugin.summary()  # the bad value did not break it, nor the other counts
+        assert summary["dropped_reports"] == 1 and "poison" not in summary["tasks"].get("gpu", {})
+        assert sum(reported().values()) > 0
+        samples = scrape(client)
+        assert samples["eugo_dropped_worker_reports"][()] == 1
+        assert samples["eugo_metrics_errors_total"][()] == 0
+        assert sum(samples["eugo_tasks_total"].values()) > 0
+        page = EugoDashboard(scheduler)
+        page.update()  # the /eugo page's periodic update
+        assert "1</b> worker reports dropped" in page.summary.text
