@@ -25,14 +25,17 @@ own). What it does with the annotations the rewrite puts on every task
 
 Counts come from what workers report they ran (Fine Performance Metrics the worker sends with its
 heartbeats: tasks that ran on the device or their CPU path, bytes each copy moved, fallbacks by
-category), never from the plan. Events from workers are accepted only in their known shapes,
-with bounded label sets; what the plugin keeps is bounded too.
+category), never from the plan. Events (which anyone may send) are accepted only in their known
+shapes, with bounded label sets; a worker's report of itself (no device, an invalid setting)
+only from that worker's own stream; text from either is logged escaped; what the plugin keeps is
+bounded too.
 
 Hook bodies never raise into the scheduler: errors are logged and counted.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import Counter, deque
@@ -58,7 +61,7 @@ from eugo_dask.runtime import (
     RAN_ON_DEVICE,
     cpu_path_task,
 )
-from eugo_dask.worker import EugoWorkerPlugin
+from eugo_dask.worker import REPORT_OP, EugoWorkerPlugin
 
 if TYPE_CHECKING:
     from distributed.scheduler import Scheduler, TaskState
@@ -141,9 +144,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._guard("metrics", register_metrics, scheduler)
+        scheduler.stream_handlers.setdefault(REPORT_OP, functools.partial(_worker_report, scheduler))
         try:
+            # (it reports on the stream whose handler is now in place)
             await scheduler.register_worker_plugin(
-                None, dumps(EugoWorkerPlugin(self.resource)), name="eugo", idempotent=True)
+                None, dumps(EugoWorkerPlugin(self.resource, report=True)), name="eugo",
+                idempotent=True)
         except Exception:  # never break the scheduler
             self.errors += 1
             logger.exception("eugo scheduler plugin: installing the worker plugin failed")
@@ -221,6 +227,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ts.run_spec = cpu_path_task(ts.run_spec)
 
     def _warn(self, message: str) -> None:
+        """Keep and log ``message``, escaped: it may hold text of a client's or a worker's."""
+        message = _escaped(message)
         self.warnings.append(message[:MAX_EVENT_TEXT])
         logger.warning(message)
 
@@ -348,31 +356,36 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self._guard("log_event", self._event, msg)
 
     def _event(self, msg: Any) -> None:
-        """Workers' (and the pass's) reports, accepted only in their known shapes."""
-        if not isinstance(msg, dict):
-            return
-        # longer texts than eugo's own senders make (they cut theirs) are not eugo's: dropped
-        text = {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
-                and len(v) <= MAX_EVENT_TEXT}
+        """Tasks' (and the pass's) reports, accepted only in their known shapes. Anyone may send
+        one (a client too): a worker's report of itself comes on its own stream instead
+        (:meth:`_worker_reported`)."""
+        text = _texts(msg)
         if "fallback" in text and FALLBACK_REASON.match(text["fallback"]):
             reason = text["fallback"]
             if reason in self.fallback_reasons or len(self.fallback_reasons) < MAX_REASONS:
                 prefixes = self.fallback_reasons.setdefault(reason, set())
                 if len(prefixes) < MAX_REASONS:
                     prefixes.add(text.get("prefix", "?"))
-            _task_logger.debug("fallback in %s: %s", text.get("prefix"), text["fallback"])
-        elif "no-device" in text and "worker" in text:
-            if self.scheduler is not None and text["worker"] in self.scheduler.workers:
-                self.workers_without_device[text["worker"]] = text["no-device"]
-                self._warn(f"eugo: GPU worker {text['worker']} cannot use a device "
-                           f"({text['no-device']}): its GPU tasks run their CPU path")
-        elif "invalid-setting" in text and "worker" in text:
-            if self.scheduler is not None and text["worker"] in self.scheduler.workers:
-                # the first, as the worker's own "no device" reason names the first
-                self.invalid_settings.setdefault(text["worker"], text["invalid-setting"])
-                self._warn(f"eugo: worker {text['worker']}: {text['invalid-setting']}")
+            _task_logger.debug("fallback in %s: %s", _escaped(text.get("prefix", "?")),
+                               _escaped(reason))
         elif "warning" in text:
             self._warn(text["warning"])
+
+    def _worker_reported(self, worker: str, report: Any) -> None:
+        """What ``worker`` says of itself at start (:class:`~eugo_dask.worker.EugoWorkerPlugin`):
+        a setting of its own that is invalid, or that it advertises the resource but cannot use
+        a device."""
+        text = _texts(report)
+        if self.scheduler is None or worker not in self.scheduler.workers:
+            return
+        if "no-device" in text:
+            self.workers_without_device[worker] = text["no-device"]
+            self._warn(f"eugo: GPU worker {worker} cannot use a device "
+                       f"({text['no-device']}): its GPU tasks run their CPU path")
+        elif "invalid-setting" in text:
+            # the first, as the worker's own "no device" reason names the first
+            self.invalid_settings.setdefault(worker, text["invalid-setting"])
+            self._warn(f"eugo: worker {worker}: {text['invalid-setting']}")
 
     # -- reading ------------------------------------------------------------------------------
     def worker_reports(self) -> dict[str, Any]:
@@ -440,6 +453,35 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "errors": self.errors,
             "plans": [dict(p) for p in recent_plans],
         }
+
+
+def _worker_report(scheduler: Scheduler, worker: str, report: Any) -> None:
+    """The scheduler's handler of :data:`~eugo_dask.worker.REPORT_OP` messages: on a worker's
+    stream the scheduler passes ``worker``, that worker's address. A client's stream passes
+    ``client``, which this handler does not take: the call fails, and the scheduler drops that
+    client's connection, as for any message it has no handler for."""
+    plugin = scheduler.plugins.get(EugoSchedulerPlugin.name)
+    if isinstance(plugin, EugoSchedulerPlugin):
+        plugin._guard("worker report", plugin._worker_reported, worker, report)
+
+
+def _texts(msg: Any) -> dict[str, str]:
+    """The text fields of a report (longer texts than eugo's own senders make are not eugo's:
+    dropped)."""
+    if not isinstance(msg, dict):
+        return {}
+    return {k: v for k, v in msg.items() if isinstance(k, str) and isinstance(v, str)
+            and len(v) <= MAX_EVENT_TEXT}
+
+
+def _escaped(text: str) -> str:
+    """``text`` on one line: characters that do not print (newlines, carriage returns, terminal
+    escapes) as Python writes them escaped, so that text from clients and workers cannot make
+    lines of its own in the scheduler's log."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in text)
 
 
 def _is_root(ts: TaskState) -> bool:

@@ -24,13 +24,16 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
   and FFT plan caches of a device no task used for that long are released, from a periodic
   callback that stops with the worker (no thread of eugo's outlives it).
 
-Reports go to the scheduler as events on the ``eugo`` topic, which the scheduler plugin reads.
+Reports go to the scheduler on the worker's own stream (:data:`REPORT_OP`), where the scheduler
+knows which worker sent them: an event on the ``eugo`` topic names its worker in a field anyone
+(a client) can fill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
@@ -44,7 +47,6 @@ from eugo_dask.config import (
     worker_setting_problems,
 )
 from eugo_dask.runtime import (
-    EVENT_TOPIC,
     MAX_EVENT_TEXT,
     host_values,
     install_receive_fallback,
@@ -54,6 +56,9 @@ from eugo_dask.runtime import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: The op of a worker's report to the eugo scheduler plugin, on the worker's own stream.
+REPORT_OP = "eugo-worker-report"
 
 
 def device_capability() -> tuple[str | None, str | None]:
@@ -72,21 +77,34 @@ class EugoWorkerPlugin(WorkerPlugin):
     ----------
     resource
         The worker resource that marks GPU workers (the scheduler plugin's ``eugo.resource``).
+    report
+        Whether to report to the scheduler (the eugo scheduler plugin, which handles
+        :data:`REPORT_OP`, sets it: a scheduler without that handler would drop this worker's
+        connection).
     """
 
     name = "eugo"
     idempotent = True
 
-    def __init__(self, resource: str = "GPU") -> None:
+    def __init__(self, resource: str = "GPU", *, report: bool = False) -> None:
         self.resource = resource
+        self.report = report
+
+    def _report(self, worker: Any, kind: str, text: str) -> None:
+        if not self.report:
+            return
+        message = {"op": REPORT_OP, "report": {kind: text[:MAX_EVENT_TEXT]}}
+        if worker.thread_id == threading.get_ident():
+            worker.batched_send(message)
+        else:  # (as Worker.log_event does)
+            worker.loop.add_callback(worker.batched_send, message)
 
     def setup(self, worker: Any) -> None:
         device_problems = device_setting_problems()
         for problem in worker_setting_problems():
             logger.error("eugo: %s%s", problem,
                          "; this worker uses no device" if problem in device_problems else "")
-            worker.log_event(EVENT_TOPIC, {"invalid-setting": problem[:MAX_EVENT_TEXT],
-                                           "worker": worker.address})
+            self._report(worker, "invalid-setting", problem)
         install_receive_fallback()
         send_device_values_as_host(worker)
         self._drive_idle_release(worker)
@@ -97,8 +115,7 @@ class EugoWorkerPlugin(WorkerPlugin):
             logger.warning("eugo: this worker advertises %s=%s but cannot use a device (%s): "
                            "its GPU tasks run their CPU path", self.resource,
                            resources[self.resource], why)
-            worker.log_event(EVENT_TOPIC, {"no-device": str(why)[:MAX_EVENT_TEXT],
-                                           "worker": worker.address})
+            self._report(worker, "no-device", str(why))
 
     @staticmethod
     def _drive_idle_release(worker: Any) -> None:

@@ -17,11 +17,12 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
-from distributed import span
+from distributed import Client, span
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 import eugo_dask
 from eugo_dask.plugin import MAX_PREFIXES, EugoSchedulerPlugin
+from eugo_dask.worker import REPORT_OP
 
 from .cluster import process_cluster
 from .test_plugin import (
@@ -307,6 +308,35 @@ def test_spoofed_events_do_not_reach_the_counters(tmp_path):
         port = client.scheduler_info()["services"]["dashboard"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
         assert b"pwned" not in text
+
+
+def test_a_client_cannot_report_a_worker_nor_forge_log_lines(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        gpu = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "gpu")
+        # a healthy GPU worker, named by a client (client.log_event is a call the scheduler has
+        # handled when it returns)
+        client.log_event("eugo", {"no-device": "forged", "worker": gpu})
+        client.log_event("eugo", {"invalid-setting": "forged", "worker": gpu})
+        client.log_event("eugo", {"warning": "w\n2099-01-01 FORGED - CRITICAL - all lost\r\x1b[2J"})
+        client.log_event("eugo", {"fallback": "no device: x\nFORGED fallback", "prefix": "p\nFORGED"})
+        # nor on the stream workers report on: the scheduler drops that client's connection
+        # (the client connects again)
+        with Client(cluster.address, timeout=30) as other:
+            other._send_to_scheduler({"op": REPORT_OP, "worker": gpu,
+                                      "report": {"no-device": "forged"}})
+            assert wait_until(lambda: f"Remove client {other.id}" in cluster.logs())
+        summary = plugin_summary(client)
+        assert summary["workers_without_device"] == {} and summary["invalid_settings"] == {}
+        port = client.scheduler_info()["services"]["dashboard"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        assert b"eugo_gpu_workers_without_device 0.0" in text
+        assert b"eugo_workers_with_invalid_settings 0.0" in text
+        # the untrusted text is logged on one line, escaped
+        (line,) = [ln for ln in (tmp_path / "scheduler.log").read_text().splitlines()
+                   if "FORGED" in ln]
+        assert "w\\n2099-01-01 FORGED - CRITICAL - all lost\\r\\x1b[2J" in line
+        assert summary["warnings"][-1] == "w\\n2099-01-01 FORGED - CRITICAL - all lost\\r\\x1b[2J"
 
 
 def test_scheduler_writes_history_only_where_its_own_settings_say(tmp_path):
