@@ -67,6 +67,7 @@ from eugo_dask.rewrite import (
 )
 from eugo_dask.runtime import EVENT_TOPIC, PlannedDevice, device_first_use_paid, device_started
 from eugo_dask.unfuse import split_mixed_tasks
+from eugo_dask.worker import running_schedulers
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +125,7 @@ def _current_settings() -> Settings:
 def _running_scheduler() -> Any:
     """The distributed scheduler this pass runs in, or None (a client, a local scheduler, or
     several schedulers in one process of which none is receiving a graph)."""
-    module = sys.modules.get("distributed.scheduler")  # imported only where one may run
-    if module is None:
-        return None
-    candidates = [s for s in list(module.Scheduler._instances) if s.status.name == "running"]
+    candidates = running_schedulers()
     if len(candidates) > 1:  # several in one process (tests): the one receiving a graph
         candidates = [s for s in candidates if getattr(s, "_active_graph_updates", 0)]
     return candidates[0] if len(candidates) == 1 else None

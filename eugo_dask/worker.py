@@ -20,6 +20,11 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
 - a CuPy array sent to this worker lands as a host array where it cannot be held here
   (:func:`eugo_dask.runtime.install_receive_fallback`), for peers that send device arrays
   (workers of another version of eugo);
+- a worker in the process of its scheduler (and, as a rule, of the client that started them:
+  ``LocalCluster(processes=False)``, ``gen_cluster``) has no settings of its own: the tasks it
+  runs read the client's settings as they are when they run (``dask.config.set`` around a
+  computation, made after the cluster started), so nothing is checked or reported at its start.
+  Its GPU tasks that find no device say so when they run (their fallbacks' reasons);
 - the worker's event loop gives idle device memory back (``eugo.device-idle-release``): pools
   and FFT plan caches of a device no task used for that long are released, from a periodic
   callback that stops with the worker (no thread of eugo's outlives it).
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 from typing import Any
 
@@ -59,6 +65,21 @@ logger = logging.getLogger(__name__)
 
 #: The op of a worker's report to the eugo scheduler plugin, on the worker's own stream.
 REPORT_OP = "eugo-worker-report"
+
+
+def running_schedulers() -> list[Any]:
+    """The distributed schedulers running in this process."""
+    module = sys.modules.get("distributed.scheduler")  # imported only where one may run
+    if module is None:
+        return []
+    return [s for s in list(module.Scheduler._instances) if s.status.name == "running"]
+
+
+def _beside_a_scheduler() -> bool:
+    """Whether a scheduler runs in this process too (``LocalCluster(processes=False)``,
+    ``gen_cluster``): then so does, as a rule, the client that started it, and the settings the
+    worker reads are that client's, which it changes around its computations."""
+    return bool(running_schedulers())
 
 
 def device_capability() -> tuple[str | None, str | None]:
@@ -100,14 +121,16 @@ class EugoWorkerPlugin(WorkerPlugin):
             worker.loop.add_callback(worker.batched_send, message)
 
     def setup(self, worker: Any) -> None:
+        install_receive_fallback()
+        send_device_values_as_host(worker)
+        self._drive_idle_release(worker)
+        if _beside_a_scheduler():
+            return  # no settings of its own to check (see the module docstring)
         device_problems = device_setting_problems()
         for problem in worker_setting_problems():
             logger.error("eugo: %s%s", problem,
                          "; this worker uses no device" if problem in device_problems else "")
             self._report(worker, "invalid-setting", problem)
-        install_receive_fallback()
-        send_device_values_as_host(worker)
-        self._drive_idle_release(worker)
         resources = getattr(getattr(worker, "state", None), "total_resources", {}) or {}
         device, why = device_capability()
         worker.eugo_device = device  # what this worker reports it can use (tests read it)
@@ -121,7 +144,7 @@ class EugoWorkerPlugin(WorkerPlugin):
     def _drive_idle_release(worker: Any) -> None:
         try:
             idle_s = device_settings().idle_release_s
-        except ValueError:  # reported above
+        except ValueError:  # reported in setup
             return
         if idle_s is None or "eugo-idle-release" in worker.periodic_callbacks:
             return

@@ -4,6 +4,7 @@ CPU worker. Clusters here are separate processes started with the ``dask`` CLI."
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from distributed import Client, LocalCluster
 
 import eugo_dask
 from eugo_dask.plugin import EugoSchedulerPlugin
+from eugo_dask.testing import device_tasks
 
 from .cluster import process_cluster
 from .conftest import H200_SERVER
@@ -196,6 +198,23 @@ def test_register_plugin_on_local_cluster_reroutes_without_gpu_workers():
         while not plugin.warnings and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(plugin.warnings) == 1 and "no worker advertises" in plugin.warnings[0]
+
+
+def test_in_process_gpu_workers_run_under_their_clients_settings_without_a_false_alarm(caplog):
+    # as examples/connect_to_chart.py --quick: the workers start (and eugo's worker plugin checks
+    # them) before the client turns eugo on with the emulated device, in the same process
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1},
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        with caplog.at_level(logging.WARNING, logger="eugo_dask"):
+            client.register_plugin(EugoSchedulerPlugin())
+            with dask.config.set(SETTINGS):
+                assert_eq(client.compute(pipeline()).result(timeout=60), EXPECTED)
+        ran = client.run(lambda dask_worker: device_tasks(dask_worker))
+        assert sum(ran.values()) > 0  # its device tasks ran on these workers' device
+        summary = cluster.scheduler.plugins["eugo"].summary()
+        assert summary["workers_without_device"] == {} and summary["invalid_settings"] == {}
+        assert not [w for w in summary["warnings"] if "cannot use a device" in w]
+        assert "cannot use a device" not in caplog.text
 
 
 def test_auto_plans_for_the_clusters_gpu_workers(tmp_path):
