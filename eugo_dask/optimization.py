@@ -131,6 +131,17 @@ def _running_scheduler() -> Any:
     return candidates[0] if len(candidates) == 1 else None
 
 
+def _resource_asked(settings: Settings) -> str | None:
+    """The resource the pass asks for on each device task (``eugo.resource``), or None where
+    the scheduler it runs in has eugo's plugin for that resource: the plugin asks for it after
+    the scheduler applied the restrictions the user gave the whole submission
+    (``client.compute(..., resources=..., workers=...)``, which the pass does not see), where a
+    per-key ``resources`` annotation would replace the user's."""
+    scheduler = _running_scheduler()
+    plugin = scheduler.plugins.get("eugo") if scheduler is not None else None  # (its name)
+    return None if getattr(plugin, "resource", None) == settings.resource else settings.resource
+
+
 def _tell_scheduler(scheduler: Any, warning: str, *, client: bool) -> None:
     """Log a warning and hand it to the scheduler's event log (the eugo plugin shows it), from
     the thread Dask materializes graphs in; with ``client``, to the clients too (distributed's
@@ -348,7 +359,7 @@ def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: 
         if _may_be_ours([graph]):
             # Already placed (dask.optimize() ran the pass, then compute ran it again): keep the
             # placement, restore the annotations Dask's fusion dropped.
-            return annotated_graph(graph, roles_of_rewritten(graph, settings.resource))
+            return annotated_graph(graph, roles_of_rewritten(graph, _resource_asked(settings)))
         with _gc_paused():
             out = _plan_and_rewrite(dsk, graph, keys, chunks, settings, profile)
     except Exception:
@@ -421,7 +432,7 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: 
     # planned for a local scheduler, the tasks carry the settings: a processes scheduler's pool
     # processes have Dask's defaults (a cluster's workers use their own)
     device = settings.device if submission else PlannedDevice.here(settings.device)
-    how = Rewrite(device, settings.resource, _token(settings, profile),
+    how = Rewrite(device, _resource_asked(settings), _token(settings, profile),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {})
     rewritten = rewrite_graph(graph, plan, described.description, original,

@@ -11,12 +11,15 @@ own). What it does with the annotations the rewrite puts on every task
 (:class:`~eugo_dask.rewrite.TaskRoles`):
 
 - device work and transfers ask for the worker resource (``eugo.resource``, ``GPU``), so they run
-  on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four). The
-  pass leaves a graph on the CPU where no worker advertises the resource it would ask for; when
-  the last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their
-  CPU path on the workers there are;
-- aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist. Root tasks
-  (reads, data producers) are left unrestricted, so the scheduler still queues them. (Queuing
+  on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four),
+  beside the resources the user asked of them: the plugin adds it here to what the scheduler
+  applied (the pass leaves it to the plugin, since its per-key annotation would replace the
+  resources given to ``client.compute``). The pass leaves a graph on the CPU where no worker
+  advertises the resource it would ask for; when the last GPU worker leaves mid-computation, its
+  pending GPU tasks are re-routed to run their CPU path on the workers there are;
+- aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist, unless the
+  user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
+  Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them. (Queuing
   bounds what each worker is processing, not what waits for a consumer on another worker: reads
   whose consumers run on a GPU worker can run ahead of it; see ``benchmarks/root_tasks.py``);
 - every worker gets :class:`~eugo_dask.worker.EugoWorkerPlugin`: it checks the worker's own
@@ -125,6 +128,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
         self.host_keys: set = set()  # aggregation / finalize not finished yet
+        self.host_restricted: set = set()  # those of them the plugin restricted to CPU workers
         self.cpu_keys: set = set()  # other planned tasks the plan kept on the CPU
         self.errors = 0
         self.warnings: deque[str] = deque(maxlen=MAX_WARNINGS)
@@ -189,6 +193,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         cpu_workers = self._cpu_workers(scheduler)
         gpu_present = bool(self._gpu_workers(scheduler))
         rerouted = 0
+        asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
@@ -203,16 +208,31 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 if not gpu_present:  # the GPU workers left between planning and now
                     self._run_on_cpu(ts)
                     rerouted += 1
+                else:
+                    ts.resource_restrictions = self._asking_for_device(ts, asked)
             elif kind == HOST_ROLE:
                 self.host_keys.add(key)
-                if cpu_workers and not _is_root(ts):
+                if cpu_workers and not _is_root(ts) and not _restricted(ts):
                     ts.worker_restrictions = set(cpu_workers)
                     ts.loose_restrictions = True
+                    self.host_restricted.add(key)
         if rerouted:
             self._warn(
                 f"eugo: no worker advertises the resource {self.resource!r}; {rerouted} "
                 "GPU-planned tasks run their CPU path on the workers there are"
             )
+
+    def _asking_for_device(self, ts: TaskState, asked: dict[Any, dict[str, Any]]
+                           ) -> dict[str, Any]:
+        """The resources a device task asks for: the user's own (the scheduler applied them:
+        the pass left the resource to the plugin, so as not to replace them) and the GPU
+        resource. One dict per distinct request, shared by the tasks that make it."""
+        user = ts.resource_restrictions
+        request = frozenset(user.items()) if user else None
+        wanted = asked.get(request)
+        if wanted is None:
+            wanted = asked[request] = {self.resource: 1, **(user or {})}
+        return wanted
 
     def _run_on_cpu(self, ts: TaskState) -> None:
         """Re-route a GPU task: no resource request, and a run spec that runs the CPU path
@@ -239,7 +259,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ws = scheduler.workers.get(worker)
         if ws is None or ws.resources.get(self.resource):
             return
-        for key in self.host_keys:
+        for key in self.host_restricted:
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.state in _PENDING and ts.worker_restrictions is not None:
                 ts.worker_restrictions.add(worker)
@@ -251,7 +271,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def _worker_left(self, scheduler: Scheduler, worker: str, stimulus_id: str) -> None:
         self.workers_without_device.pop(worker, None)
         self.invalid_settings.pop(worker, None)
-        for key in self.host_keys:
+        for key in self.host_restricted:
             ts = scheduler.tasks.get(key)
             if ts is not None and ts.worker_restrictions:
                 ts.worker_restrictions.discard(worker)
@@ -285,6 +305,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         elif finish == "forgotten":
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
+            self.host_restricted.discard(key)
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
 
@@ -482,6 +503,14 @@ def _escaped(text: str) -> str:
         return text
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
                    for c in text)
+
+
+def _restricted(ts: TaskState) -> bool:
+    """Whether the user restricted the task (``workers=``, ``resources=``, ``dask.annotate``):
+    eugo's own restriction of a host task, loose, would change where the user said it runs (and
+    loose restrictions do not go with resource restrictions: a worker without the resource would
+    be sent the task)."""
+    return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
 
 
 def _is_root(ts: TaskState) -> bool:

@@ -124,12 +124,18 @@ class TaskRoles:
     """What each task of a rewritten graph is, for the distributed scheduler, plus the user's
     own annotations of the tasks it came from.
 
-    Per-key annotations come from it: ``resources`` (``{resource: 1}`` for device work and
-    transfers, so only GPU workers run them, merged with any resources the user asked for),
-    ``eugo`` (``{"role": ..., "cpu_s": ..., "est_s": ...}``: ``host`` marks aggregation,
-    ``finalize`` and I/O, which belong on CPU workers), and every annotation the user put on
-    the original tasks (``carried``: type -> key -> value). Keys with nothing get None, which
-    the scheduler ignores.
+    Per-key annotations come from it: ``eugo`` (``{"role": ..., "cpu_s": ..., "est_s": ...}``:
+    ``host`` marks aggregation, ``finalize`` and I/O, which belong on CPU workers), every
+    annotation the user put on the original tasks (``carried``: type -> key -> value), and, where
+    the pass asks for it (``resource`` not None), ``resources``: ``{resource: 1}`` for device
+    work and transfers, so only GPU workers run them, with the resources the user asked of the
+    task (its own, or else ``resources``: those around ``compute``). Keys with nothing get None,
+    which the scheduler ignores.
+
+    A per-key ``resources`` replaces the one the user gave the whole submission
+    (``client.compute(..., resources=...)``), which the pass does not see: where eugo's scheduler
+    plugin runs, it asks for the resource itself (``resource`` None), after the scheduler
+    applied the user's restrictions.
 
     The scheduler keeps each task's annotations (half a million of them for a large graph):
     tasks with the same role and estimates share one ``eugo`` dict, and device tasks without
@@ -137,16 +143,18 @@ class TaskRoles:
     changes an annotation in place).
     """
 
-    def __init__(self, roles: dict[Key, RoleEntry], resource: str,
-                 carried: dict[str, dict[Key, Any]] | None = None) -> None:
+    def __init__(self, roles: dict[Key, RoleEntry], resource: str | None,
+                 carried: dict[str, dict[Key, Any]] | None = None,
+                 resources: dict[str, Any] | None = None) -> None:
         self.roles = roles
         self.resource = resource
         self.carried = carried or {}
+        self.resources = resources or {}
         self._shared: dict[RoleEntry, dict[str, Any]] = {}
-        self._device_resources = {resource: 1}
+        self._device_resources = {resource: 1, **self.resources} if resource is not None else {}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TaskRoles, (self.roles, self.resource, self.carried))
+        return (TaskRoles, (self.roles, self.resource, self.carried, self.resources))
 
     def value(self, kind: str, key: Key) -> Any:
         """The ``kind`` annotation of ``key``."""
@@ -160,14 +168,17 @@ class TaskRoles:
                                                "est_s": role[2]}
             return shared
         user = self.carried.get(kind, {}).get(key)
-        if kind == "resources":
+        if kind == "resources" and self.resource is not None:
             role = self.roles.get(key)
             if role is not None and role[0] in DEVICE_ROLES:
-                return {**user, self.resource: 1} if user else self._device_resources
+                return {self.resource: 1, **user} if user else self._device_resources
         return user
 
     def annotations(self) -> dict[str, Any]:
-        return {kind: _Lookup(self, kind) for kind in {"resources", "eugo", *self.carried}}
+        kinds = {"eugo", *self.carried}
+        if self.resource is not None:
+            kinds.add("resources")
+        return {kind: _Lookup(self, kind) for kind in kinds}
 
 
 class _Lookup:
@@ -195,8 +206,9 @@ def _one_layer(graph: dict[Key, GraphNode], roles: TaskRoles) -> HighLevelGraph:
     return HighLevelGraph({name: layer}, {name: set()})
 
 
-def roles_of_rewritten(dsk: Graph, resource: str) -> TaskRoles:
-    """Roles read back from a graph rewritten earlier (its annotations lost to Dask's fusion)."""
+def roles_of_rewritten(dsk: Graph, resource: str | None) -> TaskRoles:
+    """Roles read back from a graph rewritten earlier (its annotations lost to Dask's fusion);
+    ``resource`` as :class:`TaskRoles` takes it."""
     roles: dict[Key, RoleEntry] = {}
     for key, node in dsk.items():
         role = _rewritten_role(node)
@@ -283,12 +295,13 @@ def _substituted(arg: Any, copies: dict[Key, TaskRef]) -> Any:
 
 class Rewrite(NamedTuple):
     """How a plan becomes a graph: the device that runs GPU tasks, the worker resource they
-    ask for, the token that names the settings (it goes into every key eugo writes), the
-    user's own annotations of the original keys (type -> key -> value), and the resources the
-    user asked of every task (``dask.annotate(resources=...)`` around ``compute``)."""
+    ask for (None: eugo's scheduler plugin asks for it; see :class:`TaskRoles`), the token that
+    names the settings (it goes into every key eugo writes), the user's own annotations of the
+    original keys (type -> key -> value), and the resources the user asked of every task
+    (``dask.annotate(resources=...)`` around ``compute``)."""
 
     device: str
-    resource: str
+    resource: str | None
     token: str
     carried: dict[str, dict[Key, Any]]
     resources: dict[str, Any] = {}
@@ -463,13 +476,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     if how.carried:  # the user's annotations of a GPU task go to its device task too
         origin.update({on_device[k].key: k for k, d in decisions.items() if d.device == GPU})
     carried = _carried(how.carried, renames, origin) if how.carried else {}
-    if how.resources:  # a per-key "resources" replaces the global one: carry the user's along
-        user = carried.setdefault("resources", {})
-        for key, entry in roles.items():
-            if entry[0] in DEVICE_ROLES:
-                user[key] = {**how.resources, **(user.get(key) or {})}
-    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried)), plan,
-                     on_device, renames)
+    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources)),
+                     plan, on_device, renames)
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],

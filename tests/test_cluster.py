@@ -426,3 +426,67 @@ def test_spans_keep_their_tasks(tmp_path):
             assert found[name]["tasks"] > 0
             assert any(p.startswith("eugo-gpu") for p in found[name]["prefixes"]), found[name]
         assert not any(p.startswith("eugo") for p in found.get("default", {}).get("prefixes", ()))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. The user's restrictions are kept
+# ---------------------------------------------------------------------------------------------
+class Restrictions(SchedulerPlugin):
+    """Each task's restrictions as the scheduler sends it to a worker, and that worker."""
+
+    name = "restrictions"
+
+    def __init__(self):
+        self.seen = []
+
+    async def start(self, scheduler):
+        self.scheduler = scheduler
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "processing":
+            ts = self.scheduler.tasks[key]
+            self.seen.append((ts.prefix.name, dict(ts.resource_restrictions or {}),
+                              sorted(ts.worker_restrictions or ()),
+                              sorted(ts.host_restrictions or ()), ts.loose_restrictions,
+                              ts.processing_on.name))
+
+
+def restricted_runs(client, compute):
+    """What ``compute()`` returned, and each task's restrictions and worker as it was sent."""
+    client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["restrictions"].seen.clear())
+    result = compute()
+    return result, client.run_on_scheduler(
+        lambda dask_scheduler: list(dask_scheduler.plugins["restrictions"].seen))
+
+
+def is_device_task(prefix):
+    return prefix.startswith(("eugo-gpu", "eugo-todevice", "eugo-tohost"))
+
+
+def test_every_task_keeps_the_users_restrictions(tmp_path):
+    workers = {"gpu": {"extra": ["--resources", "GPU=1 MEM=1"],
+                       "env": {"DASK_EUGO__DEVICE": "emulated"}},
+               "cpu-1": {"extra": ["--resources", "MEM=1"]}, "cpu-2": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        client.register_plugin(Restrictions())
+        gpu = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "gpu")
+        for given in ({"workers": [gpu]}, {"resources": {"MEM": 1}}):
+            runs = {}
+            for mode, settings in (("plain", {"optimizations": []}), ("eugo", SETTINGS)):
+                with dask.config.set(settings):
+                    result, runs[mode] = restricted_runs(
+                        client, lambda given=given: client.compute(pipeline(), **given).result(timeout=60))
+                assert_eq(result, EXPECTED)
+            user = ({"resources": {"MEM": 1}, "workers": [], "ran on": {"gpu", "cpu-1"}}
+                    if "resources" in given else {"resources": {}, "workers": [gpu], "ran on": {"gpu"}})
+            device = [r for r in runs["eugo"] if is_device_task(r[0])]
+            assert device and not [r for r in runs["plain"] if is_device_task(r[0])]
+            for mode, seen in runs.items():
+                for prefix, resources, worker_restrictions, hosts, loose, ran_on in seen:
+                    # every task as the user said, eugo's device tasks on the GPU worker besides
+                    mine = {"GPU": 1} if is_device_task(prefix) else {}
+                    assert resources == {**user["resources"], **mine}, (mode, prefix, resources)
+                    assert worker_restrictions == user["workers"], (mode, prefix)
+                    assert not hosts and not loose, (mode, prefix)
+                    assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
+            assert {ran_on for *_, ran_on in device} == {"gpu"}
