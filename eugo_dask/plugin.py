@@ -19,9 +19,13 @@ own). What it does with the annotations the rewrite puts on every task
   pending GPU tasks are re-routed to run their CPU path on the workers there are;
 - aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist, unless the
   user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
-  Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them. (Queuing
-  bounds what each worker is processing, not what waits for a consumer on another worker: reads
-  whose consumers run on a GPU worker can run ahead of it; see ``benchmarks/root_tasks.py``);
+  Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them.
+  (Queuing bounds what each worker is processing, not what waits for a consumer on another
+  worker: reads whose consumers run on a GPU worker can run ahead of it; see
+  ``benchmarks/root_tasks.py``);
+- a GPU task whose user restrictions no GPU worker meets (``resources={"MEM": 1}`` with ``MEM`` on
+  CPU workers only, ``workers=`` naming CPU workers, loose ones) runs its CPU path where they
+  allow, with one warning per graph; so do pending ones when the GPU workers that met them leave;
 - every worker gets :class:`~eugo_dask.worker.EugoWorkerPlugin`: it checks the worker's own
   settings, reports a GPU worker that cannot use a device, and makes device arrays land as host
   arrays where they cannot be held.
@@ -138,6 +142,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         #: distinct fallback reasons -> the task prefixes that reported them (each worker
         #: reports a reason once per prefix; the counts are the workers' metrics, by category)
         self.fallback_reasons: dict[str, set[str]] = {}
+        self._gpu_addresses: set[str] = set()  # GPU workers the placed GPU tasks can go to
         self.workers_without_device: dict[str, str] = {}
         self.invalid_settings: dict[str, str] = {}
         self._estimates: dict[Any, tuple[float, float]] = {}
@@ -191,9 +196,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._backlog_warned.clear()  # a new graph: warn again where it piles up
         self._backlog_checked.clear()
         cpu_workers = self._cpu_workers(scheduler)
-        gpu_present = bool(self._gpu_workers(scheduler))
-        rerouted = 0
+        self._gpu_addresses = set(self._gpu_workers(scheduler))
+        rerouted: list[TaskState] = []
         asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
+        fits: dict[Any, bool] = {}
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
@@ -205,11 +211,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self.cpu_keys.add(key)
             elif kind in DEVICE_ROLES:
                 self.gpu_keys.add(key)
-                if not gpu_present:  # the GPU workers left between planning and now
+                wanted = self._asking_for_device(ts, asked)
+                if self._device_fits(scheduler, ts, wanted, fits):
+                    ts.resource_restrictions = wanted
+                else:  # (or the GPU workers left between planning and now)
                     self._run_on_cpu(ts)
-                    rerouted += 1
-                else:
-                    ts.resource_restrictions = self._asking_for_device(ts, asked)
+                    rerouted.append(ts)
             elif kind == HOST_ROLE:
                 self.host_keys.add(key)
                 if cpu_workers and not _is_root(ts) and not _restricted(ts):
@@ -217,10 +224,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     ts.loose_restrictions = True
                     self.host_restricted.add(key)
         if rerouted:
-            self._warn(
-                f"eugo: no worker advertises the resource {self.resource!r}; {rerouted} "
-                "GPU-planned tasks run their CPU path on the workers there are"
-            )
+            self._say_rerouted(scheduler, rerouted, "GPU-planned tasks", "")
 
     def _asking_for_device(self, ts: TaskState, asked: dict[Any, dict[str, Any]]
                            ) -> dict[str, Any]:
@@ -234,17 +238,61 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             wanted = asked[request] = {self.resource: 1, **(user or {})}
         return wanted
 
+    def _device_fits(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any],
+                     fits: dict[Any, bool]) -> bool:
+        """Whether a worker meets the restrictions of device task ``ts`` asking for ``wanted``
+        (the user's resources and the GPU's): its resources, and the workers or hosts the user
+        named, as ``Scheduler.valid_workers`` reads them (a paused worker counts: it resumes).
+        Answered once per distinct restriction in ``fits``: a graph's tasks mostly share theirs.
+
+        Never where the user's restrictions are loose: a resource request does not go with
+        them (a worker without the resource would be sent the task once no other can take it)."""
+        if ts.loose_restrictions:
+            return False
+        workers, hosts = ts.worker_restrictions, ts.host_restrictions
+        restriction = (frozenset(workers) if workers else None,
+                       frozenset(hosts) if hosts else None, id(wanted))
+        fit = fits.get(restriction)
+        if fit is None:
+            named = {scheduler.coerce_hostname(h) for h in hosts} if hosts else set()
+            fit = fits[restriction] = any(
+                (not (workers or hosts) or ws.address in (workers or ()) or ws.host in named)
+                and all(ws.resources.get(r, 0) >= n for r, n in wanted.items())
+                for ws in scheduler.workers.values())
+        return fit
+
     def _run_on_cpu(self, ts: TaskState) -> None:
-        """Re-route a GPU task: no resource request, and a run spec that runs the CPU path
-        wherever it lands, so no device array is made even if a GPU worker joins later and
-        picks it up (its consumers may be on CPU workers)."""
+        """Re-route a GPU task: no request for the GPU resource (the user's restrictions stay
+        as they are), and a run spec that runs the CPU path wherever it lands, so no device
+        array is made even if a GPU worker joins later and picks it up (its consumers may be on
+        CPU workers)."""
         if ts.resource_restrictions:
             ts.resource_restrictions = {
                 r: n for r, n in ts.resource_restrictions.items() if r != self.resource
             } or None
-        ts.worker_restrictions = None
-        ts.host_restrictions = None
         ts.run_spec = cpu_path_task(ts.run_spec)
+
+    def _say_rerouted(self, scheduler: Scheduler, rerouted: list[TaskState], what: str,
+                      left: str) -> None:
+        """One warning for the GPU tasks ``rerouted`` together: no worker (``left``: "left",
+        after one left) advertises the resource, or none that does meets the restrictions the
+        user gave them (the first task's, named)."""
+        if not self._gpu_workers(scheduler):
+            self._warn(f"eugo: the last worker with {self.resource!r} left; pending GPU tasks "
+                       "run their CPU path on the remaining workers" if left else
+                       f"eugo: no worker advertises the resource {self.resource!r}; "
+                       f"{len(rerouted)} {what} run their CPU path on the workers there are")
+            return
+        ts = rerouted[0]
+        given = [f"{name}={sorted(map(str, value))}" for name, value in
+                 (("workers", ts.worker_restrictions), ("hosts", ts.host_restrictions)) if value]
+        if ts.resource_restrictions:
+            given.append(f"resources={ts.resource_restrictions}")
+        if ts.loose_restrictions:
+            given.append("allow_other_workers")
+        self._warn(f"eugo: {len(rerouted)} {what}: no worker {left and left + ' '}advertising "
+                   f"{self.resource!r} meets the restrictions the user gave them "
+                   f"({', '.join(given)[:200]}); they run their CPU path where those allow")
 
     def _warn(self, message: str) -> None:
         """Keep and log ``message``, escaped: it may hold text of a client's or a worker's."""
@@ -257,7 +305,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
 
     def _worker_joined(self, scheduler: Scheduler, worker: str) -> None:
         ws = scheduler.workers.get(worker)
-        if ws is None or ws.resources.get(self.resource):
+        if ws is None:
+            return
+        if ws.resources.get(self.resource):
+            self._gpu_addresses.add(worker)
             return
         for key in self.host_restricted:
             ts = scheduler.tasks.get(key)
@@ -277,19 +328,25 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 ts.worker_restrictions.discard(worker)
                 if not ts.worker_restrictions:
                     ts.worker_restrictions = None
-        if self._gpu_workers(scheduler):
+        if worker not in self._gpu_addresses:  # (GPU tasks' fits are the GPU workers')
             return
-        stuck = []
+        self._gpu_addresses.discard(worker)
+        rerouted, stuck = [], []
+        fits: dict[Any, bool] = {}
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in _PENDING:
                 continue
+            wanted = ts.resource_restrictions
+            if (not wanted or self.resource not in wanted  # running its CPU path already
+                    or self._device_fits(scheduler, ts, wanted, fits)):
+                continue
             self._run_on_cpu(ts)
+            rerouted.append(ts)
             if ts.state == "no-worker":
                 stuck.append(key)
-        if stuck or self.gpu_keys:
-            self._warn(f"eugo: the last worker with {self.resource!r} left; pending GPU tasks "
-                       "run their CPU path on the remaining workers")
+        if rerouted:
+            self._say_rerouted(scheduler, rerouted, "pending GPU tasks", "left")
         if stuck:
             scheduler.transitions({k: "processing" for k in stuck},
                                   stimulus_id=f"eugo-reroute-{stimulus_id}")

@@ -31,6 +31,7 @@ from .test_plugin import (
     pipeline,
     placements,
     plugin_summary,
+    row_sums,
     worker_stats,
 )
 
@@ -490,3 +491,70 @@ def test_every_task_keeps_the_users_restrictions(tmp_path):
                     assert not hosts and not loose, (mode, prefix)
                     assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
             assert {ran_on for *_, ran_on in device} == {"gpu"}
+
+
+def restriction_warnings(client):
+    return [w for w in plugin_summary(client)["warnings"] if "restrictions" in w]
+
+
+def test_a_restriction_no_gpu_worker_meets_runs_the_cpu_path(tmp_path):
+    # no GPU worker has MEM, nor is cpu-1
+    workers = {"gpu": {"gpu": True}, "cpu-1": {"extra": ["--resources", "MEM=1"]}, "cpu-2": {}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        client.register_plugin(Restrictions())
+        cpu = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "cpu-1")
+
+        def annotated(**kwargs):
+            with dask.annotate(resources={"MEM": 1}):
+                return client.compute(pipeline(), **kwargs)
+
+        cases = [  # how the user restricts, what every task then carries
+            (lambda: client.compute(pipeline(), resources={"MEM": 1}), {"MEM": 1}, [], False),
+            (annotated, {"MEM": 1}, [], False),
+            (lambda: client.compute(pipeline(), workers=[cpu]), {}, [cpu], False),
+            # loose: the GPU resource would not go with it (a worker without it could be sent
+            # the task), so the device tasks run their CPU path too
+            (lambda: client.compute(pipeline(), workers=[cpu], allow_other_workers=True), {},
+             [cpu], True),
+        ]
+        for compute, resources, restricted_to, loose in cases:
+            warned = len(restriction_warnings(client))
+            runs = {}
+            for mode, settings in (("plain", {"optimizations": []}), ("eugo", SETTINGS)):
+                with dask.config.set(settings):  # never a hang: each result within a minute
+                    result, runs[mode] = restricted_runs(
+                        client, lambda compute=compute: compute().result(timeout=60))
+                assert_eq(result, EXPECTED)
+            device = [r for r in runs["eugo"] if is_device_task(r[0])]
+            assert device and not [r for r in runs["plain"] if is_device_task(r[0])]
+            for mode, seen in runs.items():
+                for prefix, resources_seen, worker_restrictions, hosts, loose_seen, ran_on in seen:
+                    assert resources_seen == resources, (mode, prefix, resources_seen)
+                    assert worker_restrictions == restricted_to and loose_seen == loose, (mode, prefix)
+                    assert not hosts and (loose or ran_on == "cpu-1"), (mode, prefix, ran_on)
+            # eugo's device tasks ran their CPU path where the user said, the device unused
+            assert {ran_on for *_, ran_on in device} == {"cpu-1"}
+            assert all(s["tasks"] == 0 for s in worker_stats(client).values())
+            warnings = wait_until(lambda w=warned: len(restriction_warnings(client)) > w and
+                                  restriction_warnings(client))
+            assert len(warnings) == warned + 1, warnings  # one warning for the graph
+            assert "no worker advertising 'GPU' meets" in warnings[-1]
+
+
+def test_the_gpu_worker_meeting_a_restriction_leaves_mid_computation(tmp_path):
+    # gpu-1 meets the user's restriction (MEM); gpu-2 is a GPU worker that does not
+    workers = {"gpu-1": {"extra": ["--resources", "GPU=1 MEM=1"],
+                         "env": {"DASK_EUGO__DEVICE": "emulated"}},
+               "gpu-2": {"gpu": True}, "cpu": {"extra": ["--resources", "MEM=1"]}}
+    x, expected = row_sums()
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            future = client.compute(x, resources={"MEM": 1})
+        wait_until(lambda: any(role == "gpu" for _, role, _ in placements(client)), every=0.01)
+        assert not future.done()
+        cluster.kill("gpu-1")
+        assert_eq(future.result(timeout=120), expected)  # never a hang
+        gpu_tasks = {w for _, role, w in placements(client) if role == "gpu"}
+        assert "gpu-1" in gpu_tasks and "cpu" in gpu_tasks and "gpu-2" not in gpu_tasks
+        assert any("no worker left advertising 'GPU' meets" in w
+                   for w in plugin_summary(client)["warnings"])

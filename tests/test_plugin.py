@@ -138,12 +138,17 @@ def test_no_gpu_worker_runs_cpu_path_with_one_warning(tmp_path):
         assert all(s["tasks"] == 0 for s in worker_stats(client).values())
 
 
-def test_gpu_worker_killed_mid_computation(tmp_path):
-    workers = {"gpu": {"gpu": True}, "cpu": {}}
+def row_sums():
+    """A computation long enough to kill a worker during it, and its result."""
     a = da.random.default_rng(5).random((2000, 2000), chunks=(100, 2000))
     x = np.exp(np.sin(a) ** 2).sum(axis=1)
     with dask.config.set(optimizations=[]):
-        expected = x.compute(scheduler="sync")
+        return x, x.compute(scheduler="sync")
+
+
+def test_gpu_worker_killed_mid_computation(tmp_path):
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    x, expected = row_sums()
     with process_cluster(tmp_path, workers=workers) as (cluster, client):
         with dask.config.set(SETTINGS):
             future = client.compute(x)
