@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
-from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef, _identity_cast
 
 from eugo_dask.cost_model import Estimate, Op, Step, estimate_task
 from eugo_dask.graph import (
@@ -62,7 +62,10 @@ def _resolve(arg: Any, env: Mapping[Key, Value]) -> Value:
         return env.get(arg.target, UNKNOWN_ARRAY)
     if isinstance(arg, DataNode):
         return _literal(arg.value)
-    if isinstance(arg, List):
+    if isinstance(arg, List) or (type(arg) is Task and arg.func is _identity_cast
+                                 and arg.kwargs.get("typ") is list):
+        # (a tree reduction's ``_chunk_sum(_identity_cast(Alias(k1), Alias(k2), typ=list))``
+        # hands its function a list of the partial results, as a List does)
         return [_resolve(a, env) for a in arg.args]
     if isinstance(arg, GraphNode):  # a task nested in an argument: not followed
         return UNKNOWN_ARRAY

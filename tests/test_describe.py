@@ -274,3 +274,21 @@ def test_keys_that_name_no_layer_are_ordered_key_by_key():
     assert [k for k, _ in dependency_order(odd)] == [("x", 0), ("y", 0)]
     empty = {"b": Task("b", np.negative, TaskRef(())), (): DataNode((), 1)}
     assert [k for k, _ in dependency_order(empty)] == [(), "b"]
+
+
+def test_a_tree_reduction_hands_its_partials_on_as_a_list():
+    """``_chunk_sum(_identity_cast(Alias(k1), Alias(k2), typ=list))`` reduces the list of
+    partial products its nested task makes: followed through it, the mean's chunk step fused
+    after it gives its own small result, not the product's chunk (which the copy of that result
+    back to the host was priced at)."""
+    x = da.random.default_rng(0).random((2048, 2048), chunks=1024, dtype="f4")
+    collection = (x @ x.T).mean(axis=0)
+    graph, keys = collection.__dask_graph__(), collection.__dask_keys__()
+    dsk = task_spec_dict(dask_optimize(graph, keys))
+    description = describe_graph(dsk, ChunkInfo.from_graph(graph), _profile(_current_settings()))
+    steps = [(k, est) for k, est in zip(description.task_keys, description.task_estimates)
+             if est.detail == "_chunk_sum>mean_chunk"]
+    assert steps
+    for key, est in steps:
+        assert description.specs[key] == ArraySpec((1, 1024), np.dtype("f4")), key
+        assert est.out_bytes == 1024 * 4
