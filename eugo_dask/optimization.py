@@ -33,6 +33,7 @@ import dask
 from dask._task_spec import Alias, GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
 from dask.base import is_dask_collection, tokenize
+from dask.highlevelgraph import HighLevelGraph
 
 from eugo_dask._version import __version__
 from eugo_dask.config import (
@@ -593,8 +594,13 @@ def warn_if_array_expressions() -> bool:
     return True
 
 
-def explain(collection: Any, **settings: Any) -> Plan:
-    """The placement eugo would make for ``collection``'s tasks, with reasons and estimates.
+def explain(*collections: Any, **settings: Any) -> Plan:
+    """The placement eugo would make for the tasks of ``collections``, with reasons and
+    estimates.
+
+    Several collections are planned as ``dask.compute(*collections)`` runs them: as one graph
+    (their graphs merged, each one's keys an output), where the tasks they share run once and a
+    chunk copied to the device serves every consumer. ``explain(x)`` plans ``x`` alone.
 
     Works without a GPU: with ``eugo.device`` ``none`` or ``auto`` on a machine without one, the
     plan shows what would go where under ``eugo.profile`` (the graph itself would run unchanged).
@@ -603,8 +609,8 @@ def explain(collection: Any, **settings: Any) -> Plan:
 
     Parameters
     ----------
-    collection
-        A dask array (or any collection with an array graph).
+    *collections
+        Dask arrays (or any collections with an array graph).
     **settings
         ``eugo.*`` settings for this call, with underscores: ``min_speedup=0``,
         ``profile="t4"``, ``device="emulated"``.
@@ -615,9 +621,13 @@ def explain(collection: Any, **settings: Any) -> Plan:
         Iterate for one record per task; ``print`` for a table by task prefix; ``to_json()``;
         ``totals`` holds the what-if task-seconds all-CPU, all-GPU and as chosen.
     """
-    if not (is_dask_collection(collection) and hasattr(collection, "__dask_keys__")):
+    if not collections:
         raise TypeError("explain() takes a Dask collection with an array graph (a dask.array "
-                        f"Array); got {type(collection).__name__}")
+                        "Array), or several as dask.compute takes them; got none")
+    for collection in collections:
+        if not (is_dask_collection(collection) and hasattr(collection, "__dask_keys__")):
+            raise TypeError("explain() takes a Dask collection with an array graph (a dask.array "
+                            f"Array); got {type(collection).__name__}")
     overrides = keyword_settings(settings, "explain()")
     with dask.config.set(overrides):
         current = read_settings()
@@ -625,11 +635,12 @@ def explain(collection: Any, **settings: Any) -> Plan:
         if device in ("auto", "cupy"):
             device = current.resolved().device
         current = Settings(**{**current.to_dict(), "device": device})
-    graph = collection.__dask_graph__()
-    keys = collection.__dask_keys__()
-    expression = _is_array_expression(collection)
-    if expression:  # what eugo would do; the graph itself runs unchanged (see module docs)
-        chunks = ChunkInfo.from_expression(collection.expr)
+    graph, keys = _joint_graph(collections)
+    if any(map(_is_array_expression, collections)):
+        # what eugo would do; the graph itself runs unchanged (see module docs)
+        chunks = functools.reduce(ChunkInfo.merge, [
+            ChunkInfo.from_expression(c.expr) if _is_array_expression(c)
+            else ChunkInfo.from_graph(c.__dask_graph__()) for c in collections])
         current = Settings(**{**current.to_dict(), "device": "none"})
     else:
         chunks = ChunkInfo.from_graph(graph)
@@ -639,3 +650,13 @@ def explain(collection: Any, **settings: Any) -> Plan:
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
     return plan
+
+
+def _joint_graph(collections: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The graph and output keys ``dask.compute(*collections)`` optimizes: one collection's
+    own, or their HighLevelGraphs merged with a list of each one's keys (what Dask hands the
+    array optimizer for several arrays)."""
+    if len(collections) == 1:
+        return collections[0].__dask_graph__(), collections[0].__dask_keys__()
+    graphs = [c.__dask_graph__() for c in collections]
+    return HighLevelGraph.merge(*graphs), [c.__dask_keys__() for c in collections]

@@ -15,7 +15,8 @@ small result. Aggregation, ``finalize``, I/O, creation and unknown functions nev
 placement must beat the CPU by ``min_speedup`` (``0``: every task that can run on a device does).
 
 The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
-and the sets the rewrite needs. Nothing here touches tasks' execution or CuPy.
+the copies it makes, and the sets the rewrite needs. Nothing here touches tasks' execution or
+CuPy.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from eugo_dask.graph import ArraySpec, Graph, Key, flatten_keys
 from eugo_dask.ops import CPU, GPU, Placement
 from eugo_dask.profile import Profile
 from eugo_dask.report import (
+    copies_text,
     format_bytes,
     format_seconds,
     html_page,
@@ -171,6 +173,18 @@ class ColdStart(NamedTuple):
         return self.once_s + self.per_worker_s * min(device_tasks, self.workers)
 
 
+class Copies(NamedTuple):
+    """The copies a plan makes between host and device: how many chunks each way and their
+    bytes (each host chunk a GPU task reads is copied once, whatever number of GPU consumers it
+    has; a chunk embedded in a GPU task, with it; each GPU result an output or a CPU task reads,
+    back once). ``device_stats()`` counts the same copies as they run."""
+
+    to_device: int = 0
+    to_device_bytes: int = 0
+    to_host: int = 0
+    to_host_bytes: int = 0
+
+
 def working_set_bytes(est: Estimate) -> int:
     """Device memory a task needs: its inputs, its result and about as much in temporaries."""
     return est.in_bytes + 2 * est.out_bytes
@@ -189,6 +203,8 @@ class Plan:
     totals: dict[str, float] = field(default_factory=dict)
     #: GPU tasks whose result an output or a CPU consumer needs as NumPy
     host_needed: frozenset[Key] = frozenset()
+    #: the copies between host and device the plan makes
+    copies: Copies = Copies()
 
     def __iter__(self) -> Iterator[Decision]:
         return iter(self.decisions.values())
@@ -220,11 +236,12 @@ class Plan:
             "device": self.device,
             "min_speedup": self.min_speedup,
             "totals_s": self.totals,
+            "copies": self.copies._asdict(),
             "tasks": [d.to_dict() for d in self],
         }
 
     def to_json(self, **kwargs: Any) -> str:
-        """The plan as JSON (one object per task plus the what-if totals)."""
+        """The plan as JSON (one object per task, the what-if totals and the copies)."""
         return json.dumps(self.to_dict(), **kwargs)
 
     def _heading(self) -> str:
@@ -232,13 +249,13 @@ class Plan:
                             min_speedup=self.min_speedup)
 
     def __str__(self) -> str:
-        return plan_text(self._heading(), plan_rows(self), self.totals)
+        return plan_text(self._heading(), plan_rows(self), self.totals, copies_text(*self.copies))
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
         """The plan as an HTML table by task prefix (Jupyter shows this)."""
-        return plan_html(self._heading(), plan_rows(self), self.totals)
+        return plan_html(self._heading(), plan_rows(self), self.totals, copies_text(*self.copies))
 
     def to_html(self) -> str:
         """A standalone HTML page of the plan (``eugo-dask explain --html``)."""
@@ -327,6 +344,7 @@ def place(
     # replaces it with an exact plan at min-speedup 0)
     all_cpu = all_gpu = as_chosen = 0.0
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
+    to_device = to_device_bytes = to_host = to_host_bytes = 0  # the copies made so far
     # the described tasks in dependency order, their estimates, what they read and what they
     # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
@@ -354,7 +372,8 @@ def place(
                     host_uncopied.append(d)
         if est.in_bytes > input_bytes:  # chunks embedded in the task
             h2d += h2d_s(est.in_bytes - input_bytes)
-        d2h_out = d2h_s(est.out_bytes) if k in host_regardless else 0.0
+        needs_host = k in host_regardless
+        d2h_out = d2h_s(est.out_bytes) if needs_host else 0.0
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
         capable = est.gpu_capable
@@ -368,16 +387,28 @@ def place(
                 and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
             placement: Placement = GPU
             for d in host_uncopied:  # copied to the device
-                seen[d] |= _COPIED
+                code = seen[d] = seen[d] | _COPIED
+                to_device_bytes += code >> 2
+            to_device += len(host_uncopied)
+            if est.in_bytes > input_bytes:  # (the chunks embedded in the task, with it)
+                to_device += 1
+                to_device_bytes += est.in_bytes - input_bytes
             on_gpu.append(k)
             chosen = gpu_total
             gpu_cpu_s += cpu_s
             # (a result copied back for an output or a CPU-only consumer: copied once)
-            seen[k] = spec_codes[2] if d2h_out > 0 else spec_codes[1]
+            if needs_host:
+                seen[k] = spec_codes[2]
+                to_host += 1
+                to_host_bytes += spec_codes[0] >> 2
+            else:
+                seen[k] = spec_codes[1]
         else:
             placement = CPU
             for d in device_uncopied:  # copied back to the host
-                seen[d] |= _COPIED
+                code = seen[d] = seen[d] | _COPIED
+                to_host_bytes += code >> 2
+            to_host += len(device_uncopied)
             chosen = cpu_total
             seen[k] = spec_codes[0]
         all_cpu += cpu_s
@@ -408,6 +439,7 @@ def place(
         totals=totals,
         host_needed=frozenset(_host_consumed(description, decisions, outputs,
                                              read_by_undescribed).intersection(on_gpu)),
+        copies=Copies(to_device, to_device_bytes, to_host, to_host_bytes),
     )
 
 

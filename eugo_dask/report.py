@@ -2,7 +2,7 @@
 
 :func:`plan_rows` groups task records by key prefix (one row per prefix: task count, how many
 on the GPU, summed estimates, the first task's reason); :func:`plan_text` and :func:`plan_html`
-lay the same rows out. Records are anything with the fields of
+lay the same rows out, with the copies the plan makes (:func:`copies_text`). Records are anything with the fields of
 :class:`~eugo_dask.plan.Decision` (:class:`TaskRecord`), so this module knows nothing of how a
 plan is made.
 """
@@ -109,8 +109,16 @@ def plan_heading(*, tasks: int, profile: str, device: str | None, min_speedup: f
             f"{device or 'none (the graph would run unchanged)'}, min-speedup {min_speedup:g}")
 
 
-def plan_text(heading: str, rows: list[PlanRow], totals: Mapping[str, float]) -> str:
-    """A fixed-width table: heading, one line per row, the what-if totals."""
+def copies_text(to_device: int, to_device_bytes: float, to_host: int, to_host_bytes: float) -> str:
+    """``copies: 16 to the device (67.1 MB), 16 back (0.066 MB)``."""
+    return (f"copies: {to_device} to the device ({format_bytes(to_device_bytes)}), {to_host} back "
+            f"({format_bytes(to_host_bytes)})")
+
+
+def plan_text(heading: str, rows: list[PlanRow], totals: Mapping[str, float],
+              copies: str = "") -> str:
+    """A fixed-width table: heading, one line per row, the copies it makes, the what-if
+    totals."""
     lines = [
         heading,
         f"{'prefix':<28} {'op':<11} {'tasks':>6} {'gpu':>5} {'cpu s':>9} {'gpu s':>9} "
@@ -122,6 +130,7 @@ def plan_text(heading: str, rows: list[PlanRow], totals: Mapping[str, float]) ->
             f"{format_seconds(r.cpu_s):>9} {format_seconds(r.gpu_s):>9} "
             f"{format_seconds(r.h2d_s):>9} {format_seconds(r.d2h_s):>9}  {r.reason}"
         )
+    lines += [copies] if copies else []
     lines.append(f"what-if task-seconds: {_totals_text(totals)}")
     return "\n".join(lines)
 
@@ -137,7 +146,8 @@ _HTML_COLUMNS = ("prefix", "op", "tasks", "on GPU", "CPU s", "GPU s", "H2D s", "
 _LEFT = {"prefix", "op", "reason (first task)"}
 
 
-def plan_html(heading: str, rows: list[PlanRow], totals: Mapping[str, float]) -> str:
+def plan_html(heading: str, rows: list[PlanRow], totals: Mapping[str, float],
+              copies: str = "") -> str:
     """An HTML table of the rows (GPU rows tinted, reasons in full) with its own style."""
     body = []
     for r in rows:
@@ -149,7 +159,8 @@ def plan_html(heading: str, rows: list[PlanRow], totals: Mapping[str, float]) ->
         ]
         body.append(f"<tr class='{r.placement}'>{''.join(cells)}</tr>")
     header = "".join(f"<th{' class=l' if h in _LEFT else ''}>{h}</th>" for h in _HTML_COLUMNS)
-    caption = f"{escape(heading)}. What-if task-seconds: {_totals_text(totals)}."
+    caption = f"{escape(heading)}. {escape(copies.capitalize()) + '. ' if copies else ''}" \
+              f"What-if task-seconds: {_totals_text(totals)}."
     return (f"<style>{HTML_STYLE}</style><table class='eugo'><caption>{caption}</caption>"
             f"<thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 

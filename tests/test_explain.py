@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import dask
 import dask.array as da
@@ -10,7 +14,9 @@ import numpy as np
 import pytest
 from dask._task_spec import DataNode, Task, TaskRef
 
-from eugo_dask import Decision, eugo, explain
+from eugo_dask import Decision, device_stats, eugo, explain, optimization, reset_device_stats
+from eugo_dask.report import copies_text
+from eugo_dask.testing import emulated_settings
 
 
 def collection():
@@ -126,3 +132,71 @@ def test_literals_equal_across_types_are_not_the_same_input(emulated, literal):
         expected = np.add(x, value)
         assert description.specs[(key, 0)] == (expected.shape, expected.dtype), key
         assert description.estimates[(key, 0)].out_bytes == expected.nbytes, key
+
+
+# --- several collections, as dask.compute(*collections) computes them ----------------------------
+def shared_outputs():
+    x = da.random.default_rng(0).random((2048, 2048), chunks=1024, dtype="f4")
+    return (x @ x.T).sum(axis=0), np.exp(x).sum(axis=0) + x[::2].T.sum(axis=1)
+
+
+@pytest.mark.parametrize("min_speedup", [0])
+def test_several_collections_are_the_plan_their_joint_compute_runs(min_speedup):
+    a, b = shared_outputs()
+    with dask.config.set(emulated_settings(min_speedup=min_speedup)):
+        plan = explain(a, b)
+        reset_device_stats()
+        dask.compute(a, b, scheduler="sync")
+        ran, stats = optimization.recent_plans[-1], device_stats()
+        alone = [explain(a), explain(b)]
+    assert plan.gpu_keys and ran["gpu_tasks"] == stats["tasks"] == len(plan.gpu_keys)
+    copies = plan.copies
+    assert (stats["h2d_count"], stats["h2d_bytes"]) == (copies.to_device, copies.to_device_bytes)
+    assert (stats["d2h_count"], stats["d2h_bytes"]) == (copies.to_host, copies.to_host_bytes)
+    # one graph: what the two share (x, its chunks and their copies) is in it once
+    assert len(plan) < sum(map(len, alone))
+    assert {d.key for d in alone[0] if d.op == "creation"} <= set(plan.decisions)
+    # and one collection alone is planned as before: its own graph
+    assert {d.key for d in explain(a)} == {d.key for d in alone[0]}
+
+
+def test_the_plan_says_what_it_copies(h200_server):
+    plan = explain(collection())
+    assert plan.copies.to_device > 0 and plan.copies.to_device_bytes > 0
+    assert plan.copies.to_host == len(plan.host_needed)  # one copy back per result needed
+    lines = str(plan).splitlines()
+    assert lines[-2] == copies_text(*plan.copies)
+    assert lines[-2].startswith(f"copies: {plan.copies.to_device} to the device (")
+    assert json.loads(plan.to_json())["copies"] == plan.copies._asdict()
+    assert copies_text(*plan.copies).capitalize() in plan._repr_html_()
+
+
+def test_explain_of_nothing_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"explain\(\) takes a Dask collection .*or several as "
+                                        r"dask.compute takes them; got none"):
+        explain()
+
+
+def test_explain_of_something_else_among_collections_names_it():
+    with pytest.raises(TypeError, match=r"explain\(\) takes a Dask collection .*; got ndarray"):
+        explain(collection(), np.ones(3))
+
+
+def test_several_array_expressions_are_planned_together():
+    """In array-expression mode too (a fresh process: the mode is read when dask.array loads),
+    several collections make one plan, of what eugo would do."""
+    script = textwrap.dedent("""
+        import warnings, dask.array as da, numpy as np
+        warnings.simplefilter("ignore")
+        import eugo_dask
+        x = da.from_array(np.ones((4000, 4000), dtype="f4"), chunks=2000)
+        a, b = np.exp(np.sin(x)).sum(), np.exp(x).sum(axis=0)
+        for outputs in ([a], [b], [a, b]):
+            plan = eugo_dask.explain(*outputs, profile={"base": "h200", "cpu": "server-x86"})
+            print(plan.device, len(plan), len(plan.gpu_keys))
+    """)
+    out = subprocess.check_output([sys.executable, "-c", script], text=True, timeout=120,
+                                  env={**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"})
+    (_, tasks_a, gpu_a), (_, tasks_b, gpu_b), joint = [line.split() for line in out.splitlines()]
+    assert gpu_a != "0"
+    assert joint[:2] == ["None", str(int(tasks_a) + int(tasks_b))]
