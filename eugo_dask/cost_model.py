@@ -96,6 +96,9 @@ class Estimate:
     #: the profile's estimates, where observed durations (eugo.learn) replaced cpu_s / gpu_s
     cpu_model_s: float | None = None
     gpu_model_s: float | None = None
+    #: seconds of work that runs on the host wherever the task is placed (a creation fused into
+    #: it: on the GPU it still makes its chunk on the host), counted in cpu_s and gpu_s both
+    host_s: float = 0.0
 
 
 def _efficiency(profile: Profile, factor: float) -> float:
@@ -276,10 +279,12 @@ def estimate_task(steps: list[Step], inputs: list[ArraySpec], out: ArraySpec | N
     # where an operation's own sizes are unknown: the largest array the task touches
     n = max([out.size, *(s.size for s in inputs)])
     dtype = out.dtype if device_dtype_ok(out.dtype) else np.dtype("float64")
-    flops = cpu_s = gpu_s = 0.0
+    flops = cpu_s = gpu_s = host_s = 0.0
     for step in steps:
         f, c, g = estimate_step(step, n, dtype, profile)
         flops, cpu_s, gpu_s = flops + f, cpu_s + c, gpu_s + g
+        if step.op.family == CREATION:
+            host_s += c
     # Dask's per-task dispatch is paid wherever the task runs
     cpu_s += profile.cpu.task_overhead_s
     gpu_s += profile.cpu.task_overhead_s
@@ -294,6 +299,7 @@ def estimate_task(steps: list[Step], inputs: list[ArraySpec], out: ArraySpec | N
         cpu_parallel=main.family != MATMUL,
         gpu_capable=why_cpu is None,
         why_cpu=why_cpu,
+        host_s=host_s,
     )
 
 

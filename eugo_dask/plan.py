@@ -1,18 +1,30 @@
 """Location-aware placement of every chunk task of a graph: :func:`place` -> :class:`Plan`.
 
 Data starts on the host. Tasks are visited in dependency order and each is placed where it is
-cheaper by the required margin, counting where its inputs already live:
+cheaper by the required margin, counting where its inputs live:
 
-- on the GPU it pays its compute, a host->device copy of each input not already on the device
-  (once per chunk, however many GPU consumers it has), and a device->host copy of its result
-  when an output or a CPU-only consumer needs NumPy;
+- on the GPU it pays its compute, a host->device copy of each input that lives on the host, and
+  a device->host copy of its result when an output or a CPU-only consumer needs NumPy;
 - on the CPU it pays its compute (per-thread work divided by the chunks that run side by side)
   plus a device->host copy of each input that lives only on the device.
 
+A copy is made once per chunk and shared by all the consumers on the other side, but a task
+counts it as paid only where a task of its own operation (its layer) paid it: a copy made for
+another operation draws no work after it. So a task goes where it would go in its own output's
+plan, whichever of its input's consumers the walk meets first, and a graph of several outputs
+(``dask.compute(*outputs)``) places their tasks as their own graphs do, the copies they share
+made once: it does not move more than they do one by one.
+
 So chains of GPU work stay on the device, a reduction over host data stays on the CPU (the copy
 costs more than the pass) and a reduction over device data reduces there and ships back only the
-small result. Aggregation, ``finalize``, I/O, creation and unknown functions never offload. A GPU
-placement must beat the CPU by ``min_speedup`` (``0``: every task that can run on a device does).
+small result. Data movement (slices, transposes, concatenations, a rechunk's pieces) copies its
+bytes once where it runs, as a copy between host and device does: it never pays for a copy, and
+runs on the device only where its inputs are there and nothing needs its result on the host
+(also where its inputs were copied there for later tasks of other operations and all its
+consumers run there). Aggregation, ``finalize``, I/O, creation and unknown functions never
+offload; a creation fused into a task runs on the host wherever the task does. A GPU placement
+must beat the CPU by ``min_speedup`` on the work that moves (``0``: every task that can run on
+a device does).
 
 The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
 the copies it makes, and the sets the rewrite needs. Nothing here touches tasks' execution or
@@ -27,7 +39,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 from dask._task_spec import Alias, Task
 from dask.utils import key_split
@@ -35,7 +47,7 @@ from dask.utils import key_split
 from eugo_dask.cost_model import Estimate, estimate_d2h_seconds, estimate_h2d_seconds
 from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import ArraySpec, Graph, Key, flatten_keys
-from eugo_dask.ops import CPU, GPU, Placement
+from eugo_dask.ops import CPU, GPU, MOVEMENT, Placement
 from eugo_dask.profile import Profile
 from eugo_dask.report import (
     copies_text,
@@ -48,6 +60,13 @@ from eugo_dask.report import (
     plan_text,
 )
 
+#: Why data movement runs where it does (see :func:`place`): it ``STAYS`` on the CPU, its
+#: inputs being on the host; it ``FOLLOWS`` its inputs' copies to the device, its consumers
+#: being there.
+MoveRule = Literal["stays", "follows"]
+STAYS: Final = "stays"
+FOLLOWS: Final = "follows"
+
 
 class Decision:
     """Where one task runs, with the numbers behind it; ``reason`` says it in words.
@@ -59,18 +78,19 @@ class Decision:
     """
 
     __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
-                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold")
+                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None,
-                 cold: tuple[float, float, float] | None = None) -> None:
+                 cold: tuple[float, float, float] | None = None,
+                 move: MoveRule | None = None) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
         self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
-        self._cold = cold
+        self._cold, self._move = cold, move
 
     @property
     def prefix(self) -> str:
@@ -131,15 +151,29 @@ class Decision:
                     f"({format_seconds(startup)}) the graph's GPU work would take "
                     f"{format_seconds(with_startup)} against {format_seconds(on_cpu)} on the CPU "
                     f"({ratio:.3g}x < {self._min_speedup:g})")
-        parts = [f"GPU {format_seconds(est.gpu_s)}"]
+        # (the host work of a fused creation, paid either way, is left out of the comparison)
+        host = est.host_s
+        parts = [f"GPU {format_seconds(est.gpu_s - host)}"]
         parts += [f"H2D {format_seconds(self.h2d_s)}"] if self.h2d_s else []
         parts += [f"D2H {format_seconds(self.d2h_s)}"] if self.d2h_s else []
-        cpu = f"CPU {format_seconds(est.cpu_s)}" + (f" / {self._lanes} threads" if self._lanes > 1 else "")
+        cpu = f"CPU {format_seconds(est.cpu_s - host)}"
+        cpu += f" / {self._lanes} threads" if self._lanes > 1 else ""
         cpu += f" + D2H {format_seconds(self._d2h_in_s)}" if self._d2h_in_s else ""
-        total = self.gpu_total_s
-        speedup = (self.cpu_s + self._d2h_in_s) / total if total > 0 else math.inf
+        either = f"; creation on the host either way {format_seconds(host)}" if host else ""
+        if self._move == STAYS:
+            return (f"{label}: moves host data ({' + '.join(parts)} vs {cpu}): a copy to the "
+                    "device passes the same bytes through host memory as the move itself, so "
+                    "data movement stays where its inputs live")
+        if self._move == FOLLOWS:
+            return (f"{label}: its inputs are on the device (copied for other tasks) and every "
+                    f"consumer runs there: it moves the copies (GPU {format_seconds(est.gpu_s)} "
+                    f"vs {cpu}, and its result need not be copied)")
+        total = self.gpu_total_s - host
+        speedup = ((self.cpu_s - host / self._lanes + self._d2h_in_s) / total if total > 0
+                   else math.inf)
         cmp = ">=" if self.device == GPU else "<"
-        text = f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} {self._min_speedup:g})"
+        text = (f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} "
+                f"{self._min_speedup:g}){either}")
         if self.measured:
             models = [f"{name} {format_seconds(model)}" for name, model in
                       (("CPU", est.cpu_model_s), ("GPU", est.gpu_model_s)) if model is not None]
@@ -265,8 +299,12 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 # Placement
 # ---------------------------------------------------------------------------------------------
-#: Flags of a key's code in :func:`place`'s walk (its bytes are the code >> 2).
+#: Flags of a key's code in :func:`place`'s walk: its bytes are ``(code >> 2) & _BYTES``, and
+#: ``code >> _PAYER`` the number of the layer whose task last paid its copy (0: none).
 _ON_DEVICE, _COPIED = 1, 2
+_PAYER = 50
+_BYTES = (1 << (_PAYER - 2)) - 1
+_UNPAID = (1 << _PAYER) - 1  # a code with its payer cleared
 
 
 def _needs_host_regardless(description: GraphDescription, outputs: set[Key],
@@ -323,7 +361,9 @@ def place(
     values = description.values
     width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
     threads = profile.cpu.threads
-    lanes_of = {name: max(min(n, threads), 1) for name, n in width.items()}
+    # each layer's chunks that run side by side, and its number (see _PAYER)
+    layer_of = {name: (max(min(n, threads), 1), i)
+                for i, (name, n) in enumerate(width.items(), start=1)}
     # what the keys eugo cannot reason about read (chunks, aliases, tasks eugo wrote) must be
     # on the host whatever is placed where
     read_by_undescribed = set().union(*[_reads(node, description)
@@ -335,41 +375,54 @@ def place(
     # What the walk knows of each key it has seen, in one int (one lookup per input, and no
     # object per key: a layer's chunks share their codes): its bytes << 2, | _ON_DEVICE where
     # it lives on the device, | _COPIED where it was copied once already (to the host for a key
-    # on the device, to the device for a host key). A key is placed before any of its
-    # consumers, so "copied" means the copy its consumers would otherwise pay.
+    # on the device, to the device for a host key), and the layer that paid that copy. A key is
+    # placed before any of its consumers, so "copied" means a copy they need not make again.
+    # A copy is shared by every consumer that reads it, but only the operation it was made for
+    # counts it as paid: a task pays, in its comparison, the copy of each input that lives on
+    # the other side, unless a task of its own layer (chunks of one operation, which share
+    # their inputs' copies in that operation's own plan too) already paid it. Another
+    # operation's copy is no reason to follow it: that would make a task's placement depend on
+    # which of its input's consumers the walk met first, and a compute of several outputs move
+    # the results of work that, computed alone, stays where its data is.
     seen: dict[Key, int] = {}
     on_gpu: list[Key] = []  # (a list: no table of a million keys to grow, for one intersection)
     decisions: dict[Key, Decision] = {}
     # all_gpu: every task that can run on a device pays its own estimate there (explain()
-    # replaces it with an exact plan at min-speedup 0)
+    # replaces it with an exact plan at min-speedup 0); as_chosen counts each copy once
     all_cpu = all_gpu = as_chosen = 0.0
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
     to_device = to_device_bytes = to_host = to_host_bytes = 0  # the copies made so far
+    kept: list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]] = []
     # the described tasks in dependency order, their estimates, what they read and what they
     # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
     for k, est, inputs, spec in zip(description.task_keys, description.task_estimates,
                                     description.inputs, description.task_specs, strict=True):
-        lanes = lanes_of.get(k[0] if type(k) is tuple else k, 1) if est.cpu_parallel else 1
+        lanes, payer = layer_of.get(k[0] if type(k) is tuple else k, (1, 0))
+        lanes = lanes if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
+        made = 0.0  # the seconds of the copies charged below that were made for another layer
         input_bytes = 0
         # the inputs whose copy this task pays where it is placed: on the host, on the device
-        host_uncopied, device_uncopied = [], []
+        host_paid, device_paid = [], []
         for d in inputs:
             code = seen.get(d)
             if code is None:  # not placed: a chunk, a key from outside, a task eugo wrote
                 given = values.get(d)
                 code = seen[d] = given.nbytes << 2 if isinstance(given, ArraySpec) else 0
-            n = code >> 2
+            n = (code >> 2) & _BYTES
             input_bytes += n
-            if not code & _COPIED:
+            if not code & _COPIED or code >> _PAYER != payer:
+                copy = d2h_s(n) if code & _ON_DEVICE else h2d_s(n)
+                if code & _COPIED:
+                    made += copy
                 if code & _ON_DEVICE:
-                    d2h_in += d2h_s(n)
-                    device_uncopied.append(d)
+                    d2h_in += copy
+                    device_paid.append(d)
                 else:
-                    h2d += h2d_s(n)
-                    host_uncopied.append(d)
+                    h2d += copy
+                    host_paid.append(d)
         if est.in_bytes > input_bytes:  # chunks embedded in the task
             h2d += h2d_s(est.in_bytes - input_bytes)
         needs_host = k in host_regardless
@@ -379,22 +432,32 @@ def place(
         capable = est.gpu_capable
         too_big = (capable and device is not None  # working_set_bytes(est), inline
                    and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
+        # data movement (a slice, a transpose, a concatenation, a rechunk's pieces) copies its
+        # bytes once on the CPU; a copy to the device moves the same bytes through host memory
+        # (and the link) first, so the move never pays for it: it runs where its inputs live
+        host_move = est.family == MOVEMENT and h2d > 0
         spec_codes = codes.get(id(spec))
         if spec_codes is None:
             size = spec.nbytes << 2 if spec is not None else 0
             spec_codes = codes[id(spec)] = (size, size | _ON_DEVICE, size | _ON_DEVICE | _COPIED)
+        # the margin applies to the work that moves: host work inside the task (a creation
+        # fused into it) is paid either way, so a source fused into its one consumer and one
+        # shared by several consumers (not fused) leave the consumer's placement alike
         if (capable and not too_big and _not_starting is None
-                and (min_speedup == 0 or cpu_total >= min_speedup * gpu_total)):
+                and (min_speedup == 0 or (not host_move and cpu_total - est.host_s / lanes
+                                          >= min_speedup * (gpu_total - est.host_s)))):
             placement: Placement = GPU
-            for d in host_uncopied:  # copied to the device
-                code = seen[d] = seen[d] | _COPIED
-                to_device_bytes += code >> 2
-            to_device += len(host_uncopied)
+            chosen = gpu_total - made  # (the totals count each copy once)
+            for d in host_paid:  # copied to the device (once, whoever pays)
+                code = seen[d]
+                if not code & _COPIED:
+                    to_device += 1
+                    to_device_bytes += (code >> 2) & _BYTES
+                seen[d] = (code & _UNPAID) | _COPIED | payer << _PAYER
             if est.in_bytes > input_bytes:  # (the chunks embedded in the task, with it)
                 to_device += 1
                 to_device_bytes += est.in_bytes - input_bytes
             on_gpu.append(k)
-            chosen = gpu_total
             gpu_cpu_s += cpu_s
             # (a result copied back for an output or a CPU-only consumer: copied once)
             if needs_host:
@@ -405,11 +468,15 @@ def place(
                 seen[k] = spec_codes[1]
         else:
             placement = CPU
-            for d in device_uncopied:  # copied back to the host
-                code = seen[d] = seen[d] | _COPIED
-                to_host_bytes += code >> 2
-            to_host += len(device_uncopied)
-            chosen = cpu_total
+            chosen = cpu_total - made
+            if host_move and est.in_bytes <= input_bytes:  # (see _moves_that_follow)
+                kept.append((k, inputs, est, spec, cpu_s, lanes))
+            for d in device_paid:  # copied back to the host (once, whoever pays)
+                code = seen[d]
+                if not code & _COPIED:
+                    to_host += 1
+                    to_host_bytes += (code >> 2) & _BYTES
+                seen[d] = (code & _UNPAID) | _COPIED | payer << _PAYER
             seen[k] = spec_codes[0]
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
@@ -418,7 +485,17 @@ def place(
                                 lanes, d2h_in, min_speedup,
                                 device_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
-                                else None)
+                                else None, STAYS if host_move and placement == CPU else None)
+    needed_on_host = _host_consumed(description, decisions, outputs, read_by_undescribed)
+    for k, _, est, spec, cpu_s, lanes in _moves_that_follow(kept, seen, needed_on_host):
+        decisions[k] = Decision(k, GPU, est, spec, cpu_s, 0.0, 0.0, lanes, 0.0, min_speedup,
+                                None, None, FOLLOWS)
+        on_gpu.append(k)
+        gpu_cpu_s += cpu_s
+        copy = (seen[k] >> 2) & _BYTES  # (the copy of its result for its GPU consumers)
+        to_device -= 1
+        to_device_bytes -= copy
+        as_chosen += est.gpu_s - cpu_s - h2d_s(copy)
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
     if cold is not None and on_gpu and min_speedup != 0:
         # The GPU tasks' CPU time against what placing them costs (their own device time and
@@ -437,10 +514,26 @@ def place(
         device=device,
         min_speedup=min_speedup,
         totals=totals,
-        host_needed=frozenset(_host_consumed(description, decisions, outputs,
-                                             read_by_undescribed).intersection(on_gpu)),
+        # (a move that follows its inputs to the device reads host chunks: nothing it reads
+        # is needed on the host any less)
+        host_needed=frozenset(needed_on_host.intersection(on_gpu)),
         copies=Copies(to_device, to_device_bytes, to_host, to_host_bytes),
     )
+
+
+def _moves_that_follow(
+    kept: list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]],
+    seen: dict[Key, int], needed_on_host: set[Key],
+) -> list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]]:
+    """The data movement :func:`place` kept on the CPU (its inputs were on the host when the
+    walk reached it) that runs on the device after all: every input was then copied there for
+    its other consumers, and every consumer of its result runs there (its result was copied to
+    the device, and nothing needs it on the host). On the device it moves the copies already
+    made, and the copy of its result is not made. (A shared transpose, ``x @ x.T`` computed
+    with ``x.T @ z``: its matmuls copy ``x`` anyway.)"""
+    return [m for m in kept
+            if m[0] not in needed_on_host and seen[m[0]] & _COPIED
+            and all(seen[d] & (_ON_DEVICE | _COPIED) == _COPIED for d in m[1])]
 
 
 def _host_consumed(description: GraphDescription, decisions: dict[Key, Decision],

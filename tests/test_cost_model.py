@@ -113,6 +113,21 @@ def test_random_chunk_fused_into_a_reduction_is_copied_at_its_size():
                                         / profile.link.h2d_bytes_per_s)
 
 
+def test_a_creation_fused_into_a_task_is_host_work_on_either_side():
+    """A creation inside a task makes its chunk on the host wherever the task runs: its time is
+    in the task's CPU and GPU seconds alike, and said apart (``host_s``) for the comparison."""
+    profile = load_profile(PROFILE)
+    chunk = ArraySpec((2000, 50), F8)
+    make = Step(Op("creation", "_apply_random_func"), (), chunk)
+    add = Step(Op("elementwise", "add", 2), (chunk, chunk), chunk)
+    _, made_s, _ = estimate_step(make, chunk.size, F8, profile)
+    alone = estimate_task([add], [chunk], chunk, profile)
+    fused = estimate_task([make, add], [chunk], chunk, profile)
+    assert alone.host_s == 0 and fused.host_s == pytest.approx(made_s) and made_s > 0
+    assert fused.cpu_s - alone.cpu_s == pytest.approx(made_s)
+    assert fused.gpu_s - alone.gpu_s == pytest.approx(made_s)
+
+
 @pytest.mark.parametrize("axis, out_elements", [(None, 1), (0, 1000), (1, 1000)])
 def test_reduction_reads_its_chunk_once(axis, out_elements):
     d = work(host((1000, 1000), "s").sum(axis=axis), "reduction")

@@ -8,11 +8,13 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask.array.optimization import optimize as dask_array_optimize
 
 import eugo_dask
 from eugo_dask import devices, optimization, runtime
 from eugo_dask.config import read_settings
-from eugo_dask.plan import ColdStart
+from eugo_dask.graph import ChunkInfo, task_spec_dict
+from eugo_dask.plan import ColdStart, Copies
 from eugo_dask.profile import load_profile
 from eugo_dask.report import format_seconds
 
@@ -286,3 +288,121 @@ def test_graphs_for_a_cluster_pay_no_first_use(cold_device):
                 processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 timeout="60s"):
             assert main_decision(eugo_dask.explain(build())).device == "gpu"
+
+
+# --- several outputs computed together (dask.compute(*outputs)) ----------------------------------
+#: An H200 beside a host that streams memory slowly (1 GB/s a thread, 2 threads): its CPU
+#: estimate of a copy-like task is 20x the link's.
+NARROW_HOST = {"base": "h200", "cpu": {
+    "name": "narrow-memory", "threads": 2, "memory_bandwidth_bytes_per_s": 1e9,
+    "flops_per_s": {"float32": 2e10, "float64": 1e10},
+    "matmul_flops_per_s": {"float32": 2e11, "float64": 1e11},
+    "fft_flops_per_s": {"float32": 5e9, "float64": 4e9}, "task_overhead_s": 5e-6}}
+
+
+def joint_plan(*collections, reverse=False):
+    """The plan of ``collections`` computed together, their graph walked in Dask's key order
+    or the reverse of it (either is a valid order: Dask's varies with the graph's history)."""
+    graph, keys = optimization._joint_graph(collections)
+    dsk = task_spec_dict(dask_array_optimize(graph, keys))
+    if reverse:
+        dsk = dict(reversed(dsk.items()))
+    settings = optimization._current_settings()
+    described = optimization._split_and_describe(dsk, keys, ChunkInfo.from_graph(graph),
+                                                 settings, optimization._profile(settings))
+    return described.place(settings)
+
+
+def moved_bytes(plan):
+    return plan.copies.to_device_bytes + plan.copies.to_host_bytes
+
+
+def placement(plan, word):
+    """Where the tasks whose work names ``word`` go, by key."""
+    return {d.key: d.device for d in plan if word in d.detail}
+
+
+def test_a_copy_made_for_another_operation_does_not_draw_work_to_the_device(h200_server):
+    """``x`` is copied to the device for the product; the sine of ``x``, which would not pay
+    for that copy alone, is not put there for it: its result would have to come back (64 MB
+    more over the link than computing the two apart), and which consumer of ``x`` the walk
+    met first would decide where the sine runs."""
+    x = host((4096, 4096), (2048, 4096), name="x")
+    product, wave = x @ x.T, np.sin(x) * 2
+    alone = eugo_dask.explain(wave)
+    assert set(placement(alone, "sin").values()) == {"cpu"}
+    separately = moved_bytes(eugo_dask.explain(product)) + moved_bytes(alone)
+    for reverse in (False, True):
+        plan = joint_plan(product, wave, reverse=reverse)
+        assert set(placement(plan, "sin").values()) == {"cpu"}, str(plan)
+        assert set(placement(plan, "matmul").values()) == {"gpu"}
+        assert moved_bytes(plan) <= separately
+        sine = next(d for d in plan if "sin" in d.detail)
+        assert sine.h2d_s > 0, sine.reason  # charged its own copy of x
+
+
+def test_a_copy_back_made_for_an_output_does_not_draw_work_to_the_host(h200_server):
+    """``y`` is an output (copied back) and read by work that pays on the device: that work
+    stays on the device (charged the copy back it would need on the CPU), rather than run on
+    the host copy and have its own result copied to the device for the next product."""
+    x = host((4096, 4096), (1024, 4096), name="x")
+    y = x @ x.T
+    w = y * 2
+    products = ((w @ w).sum(), np.exp(w).sum())
+    for reverse in (False, True):
+        plan = joint_plan(y, *products, reverse=reverse)
+        assert set(placement(plan, "multiply").values()) == {"gpu"}, str(plan)
+        alone = [eugo_dask.explain(p) for p in products]
+        assert moved_bytes(plan) <= moved_bytes(eugo_dask.explain(y)) + sum(map(moved_bytes, alone))
+
+
+def test_data_movement_over_host_data_stays_on_the_cpu(h200_server):
+    """A rechunk of host data: its pieces would be copied to the device only to be moved
+    there and copied back, however much faster than this host the estimates make the move."""
+    x = host((4096, 4096), (1024, 4096))
+    with dask.config.set({"eugo.profile": NARROW_HOST}):
+        plan = eugo_dask.explain(x.rechunk((4096, 1024)))
+    moves = [d for d in plan if d.op == "movement"]
+    assert moves and {d.device for d in moves} == {"cpu"}
+    merge = max(moves, key=lambda d: d.cpu_s)
+    assert merge.cpu_s > 2 * merge.gpu_total_s  # the bare estimate would offload it
+    assert "moves host data" in merge.reason and "stays where its inputs live" in merge.reason
+    assert plan.copies == Copies()
+
+
+def test_data_movement_over_device_data_stays_on_the_device(h200_server):
+    a, b = host((4096, 4096), (1024, 4096), name="a"), host((4096, 4096), name="b")
+    with dask.config.set({"eugo.profile": NARROW_HOST}):
+        plan = eugo_dask.explain((np.exp((a @ b).rechunk((4096, 1024)) / 4096)).sum())
+    moves = [d for d in plan if d.op == "movement"]
+    assert moves and {d.device for d in moves} == {"gpu"}, str(plan)
+    assert all(d.h2d_s == 0 for d in moves)
+
+
+def test_a_shared_move_follows_its_inputs_copies_to_its_consumers(h200_server):
+    """``x.T``, shared by two products, is a task of its own: its input ``x`` is copied to the
+    device for the first product and both products run there, so the transpose runs there too
+    and its result is not copied: each input chunk crosses once."""
+    x = da.random.default_rng(0).random((4096, 4096), chunks=1024, dtype="f4")
+    z = da.random.default_rng(1).random((4096, 4096), chunks=1024, dtype="f4")
+    outputs = ((x @ x.T).mean(), x.T @ z)
+    plan = eugo_dask.explain(*outputs)
+    transposes = [d for d in plan if d.detail == "transpose"]
+    assert transposes and {d.device for d in transposes} == {"gpu"}, str(plan)
+    assert "its inputs are on the device (copied for other tasks)" in transposes[0].reason
+    assert plan.copies.to_device == 32  # x and z, 16 chunks each
+    assert moved_bytes(plan) < sum(moved_bytes(eugo_dask.explain(o)) for o in outputs)
+
+
+def test_a_creation_fused_into_its_consumer_leaves_the_placement_alike(h200_server):
+    """Alone, ``exp(x).sum(axis=0)`` fuses the creation of ``x`` into its tasks; with another
+    output of ``x`` it does not. The creation runs on the host wherever its consumer runs: it
+    weighs on neither side, and the consumer goes the same way in both graphs."""
+    x = da.random.default_rng(0).random((2048, 4096), chunks=(1024, 4096), dtype="f4")
+    sums = np.exp(x).sum(axis=0)
+    alone, joint = eugo_dask.explain(sums), eugo_dask.explain(sums, x.std())
+    fused = [d for d in alone if "exp" in d.detail]
+    assert fused and all(d.detail.startswith("_apply_random_func") for d in fused)
+    assert {d.device for d in fused} == {d.device for d in joint if "exp" in d.detail} == {"gpu"}
+    assert "creation on the host either way" in fused[0].reason
+    assert moved_bytes(joint) <= moved_bytes(alone) + moved_bytes(eugo_dask.explain(x.std()))
