@@ -203,10 +203,27 @@ def test_benchmark_quick(argv, tmp_path):
         assert (tmp_path / "seed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def check_joint_plans(out: str) -> None:
+    planned, counted = out.split("\ncounted (device_stats)\n")
+    assert "\nplanned (explain)\n" in planned
+
+    def rows(text: str) -> list[list[str]]:  # [GPU tasks, H2D, H2D MB, D2H, D2H MB(, ratio)]
+        return [line.split()[line.split().index(side) + 1:] for line in text.splitlines()
+                for side in ("separate", "joint") if side in line.split()]
+
+    plan, ran = rows(planned), rows(counted)
+    assert len(plan) == len(ran) == 8  # 2 workloads x 2 min-speedups x (separate, joint)
+    # the plan's tasks on the device and copies to it are what running counts
+    assert [r[:3] for r in plan] == [r[:3] for r in ran]
+    assert any(int(r[0]) > 0 for r in plan)
+    # together, never more bytes over the link than one by one
+    assert all(float(r[5]) <= 1.0 for r in plan + ran if len(r) == 6)
+
+
 CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
           "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
           "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy,
-          "root_tasks": check_root_tasks}
+          "root_tasks": check_root_tasks, "joint_plans": check_joint_plans}
 
 
 def test_benchmark_helpers_refuse_to_come_after_numpy():
