@@ -242,6 +242,18 @@ def fused(node: GraphNode) -> Fused | None:
 
 _new_tuple = tuple.__new__
 
+#: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
+GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
+_DEVICE_VALUE_PREFIXES = (GPU_PREFIX + "-", H2D_PREFIX + "-")
+
+
+def holds_eugo_device_value(key: Key) -> bool:
+    """Whether ``key`` names one of eugo's own values that live on a device: the result of a
+    device task or of a copy to the device (:func:`eugo_dask.rewrite.prefixed_key`). A user's
+    own device arrays (a ``map_blocks(cupy.asarray)``) are not eugo's to move."""
+    name = key[0] if isinstance(key, tuple) and key else key
+    return isinstance(name, str) and name.startswith(_DEVICE_VALUE_PREFIXES)
+
 
 def keeps_its_name(node: GraphNode) -> bool:
     """Whether ``node``'s key must keep its name through the rewrite whatever it reads: a P2P

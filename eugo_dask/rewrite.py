@@ -31,9 +31,12 @@ from dask.utils import key_split
 
 from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import (
+    D2H_PREFIX,
     FUSED_DEPS,
     FUSED_FUNC,
     FUSED_INNER,
+    GPU_PREFIX,
+    H2D_PREFIX,
     NO_KWARGS,
     Graph,
     Key,
@@ -61,10 +64,6 @@ def _copy_task(key: Key, copy: Any, source: Key, device: str) -> Task:
     """``Task(key, copy, TaskRef(source), device)``, a copy to or from the device, made with its
     one dependency known."""
     return new_task(key, copy, (TaskRef(source), device), NO_KWARGS, frozenset([source]))
-
-
-#: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
-GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
 
 
 def _alphabetic_words(name: str) -> list[str]:

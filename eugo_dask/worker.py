@@ -11,8 +11,8 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
 - a worker that advertises the GPU resource but cannot use a device (``eugo.device: none``, no
   CUDA device, a broken CuPy) logs a warning and reports it: it would otherwise run every GPU
   task on its CPU while the plan counts on the GPU;
-- a device array leaves this worker as a host array (:func:`send_device_values_as_host`):
-  whoever fetches it (a CPU worker taking the results of a retiring GPU worker, a rebalance, a
+- eugo's device arrays leave this worker as host arrays (:func:`send_device_values_as_host`):
+  whoever fetches one (a CPU worker taking the results of a retiring GPU worker, a rebalance, a
   replica, a client) receives NumPy, and a GPU worker's device task copies it back to its device
   as it copies any host input. A worker without CuPy, which cannot rebuild a device array,
   never gets one to rebuild: a transfer that would fail for ever and hang the retirement of a
@@ -52,6 +52,7 @@ from eugo_dask.config import (
     process_device,
     worker_setting_problems,
 )
+from eugo_dask.graph import holds_eugo_device_value
 from eugo_dask.runtime import (
     MAX_EVENT_TEXT,
     host_values,
@@ -154,9 +155,11 @@ class EugoWorkerPlugin(WorkerPlugin):
 
 
 def send_device_values_as_host(worker: Any) -> None:
-    """Have ``worker`` send the device arrays among the values peers and clients fetch from it
-    (its ``get_data`` handler: dependencies, replicas, retirement, rebalancing, gathering) as
-    host arrays, copied back off the event loop. Its own copies stay on its device."""
+    """Have ``worker`` send eugo's device arrays among the values peers and clients fetch from
+    it (its ``get_data`` handler: dependencies, replicas, retirement, rebalancing, gathering) as
+    host arrays, copied back off the event loop. Its own copies stay on its device, and values
+    that are not eugo's (:func:`~eugo_dask.graph.holds_eugo_device_value`: a user's own CuPy
+    chunks) leave as they are, as in plain Dask."""
     handler = worker.handlers.get("get_data")
     if handler is None or getattr(handler, "_eugo_host", False):
         return
@@ -179,10 +182,15 @@ class _HostDataComm:
         return getattr(self._comm, name)
 
     async def write(self, msg: Any, *args: Any, **kwargs: Any) -> Any:
-        data = msg.get("data") if type(msg) is dict else None
-        if data:
-            values = {k: v.data if isinstance(v, Serialize) else v for k, v in data.items()}
+        data: dict[Any, Any] = (msg.get("data") if type(msg) is dict else None) or {}
+        ours = [k for k in data if holds_eugo_device_value(k)]
+        if ours:
+            values = {k: _unwrapped(data[k]) for k in ours}
             host = await asyncio.to_thread(host_values, values)
             if host is not values:
-                msg = {**msg, "data": {k: to_serialize(v) for k, v in host.items()}}
+                msg = {**msg, "data": {**data, **{k: to_serialize(v) for k, v in host.items()}}}
         return await self._comm.write(msg, *args, **kwargs)
+
+
+def _unwrapped(value: Any) -> Any:
+    return value.data if isinstance(value, Serialize) else value

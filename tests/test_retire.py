@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 from dask.array.utils import assert_eq
 
+from eugo_dask.graph import GPU_PREFIX
+from eugo_dask.rewrite import prefixed_key
+
 from .cluster import process_cluster
 from .test_plugin import POISON, SETTINGS, placements, received_device_arrays
 
@@ -36,6 +39,15 @@ def device_array(seed):
     from eugo_dask.runtime import usable_device
 
     return usable_device("emulated").wrap(np.random.default_rng(seed).random((200, 50)))
+
+
+def eugo_key(i):
+    """A key of eugo's own device results (a device task's, as the rewrite names them)."""
+    return prefixed_key(f"device-array-{i}", GPU_PREFIX, "test")
+
+
+def type_name(value):
+    return type(value).__name__
 
 
 def counted_kinds(dask_worker):
@@ -68,7 +80,8 @@ def test_device_values_leave_a_gpu_worker_as_host_arrays(tmp_path, move):
     workers = {"gpu-1": {"gpu": True}, "gpu-2": {"gpu": True}, **CPU_WORKERS_WITHOUT_CUPY}
     with process_cluster(tmp_path, workers=workers) as (cluster, client):
         gpu_1 = address_of(client, "gpu-1")
-        futures = [client.submit(device_array, i, workers=[gpu_1], pure=False) for i in range(12)]
+        futures = [client.submit(device_array, i, workers=[gpu_1], key=eugo_key(i))
+                   for i in range(12)]
         client.gather(futures)  # (NumPy here: what a client fetches is a host array too)
         if move == "retire":
             bounded(client.retire_workers, [gpu_1])
@@ -84,3 +97,20 @@ def test_device_values_leave_a_gpu_worker_as_host_arrays(tmp_path, move):
         assert all(type(v) is np.ndarray for v in values)
         for i, value in enumerate(values):
             np.testing.assert_array_equal(value, np.random.default_rng(i).random((200, 50)))
+
+
+def test_a_users_own_device_arrays_move_as_they_are(tmp_path):
+    """Only eugo's device values are sent as host arrays: a user's own device chunks (a
+    map_blocks(cupy.asarray)) reach another GPU worker and the client as device arrays, as in
+    plain Dask (gathered as NumPy and fed to the user's next device function, they broke it)."""
+    workers = {"gpu-1": {"gpu": True}, "gpu-2": {"gpu": True}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        gpu_1, gpu_2 = address_of(client, "gpu-1"), address_of(client, "gpu-2")
+        users = client.submit(device_array, 1, workers=[gpu_1], key="users-device-array")
+        ours = client.submit(device_array, 2, workers=[gpu_1], key=eugo_key(2))
+        seen = client.gather([client.submit(type_name, f, workers=[gpu_2], pure=False)
+                              for f in (users, ours)], direct=True)
+        assert seen == ["EmulatedDeviceArray", "ndarray"]  # (a device task copies ours back)
+        with dask.config.set({"eugo.device": "emulated"}):  # a client that holds device arrays
+            assert type_name(users.result(timeout=60)) == "EmulatedDeviceArray"
+            assert type_name(ours.result(timeout=60)) == "ndarray"
