@@ -13,14 +13,23 @@ targets and output-key flattening.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import sys
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
-from dask._task_spec import Alias, GraphNode, Task, TaskRef, _execute_subgraph, convert_legacy_graph
+from dask._task_spec import (
+    Alias,
+    GraphNode,
+    Task,
+    TaskRef,
+    _execute_subgraph,
+    _extra_args,
+    convert_legacy_graph,
+)
 from dask.utils import ensure_dict
 
 Key = Any  # a Dask key: a str or a tuple ("name", i, j, ...)
@@ -255,17 +264,57 @@ def holds_eugo_device_value(key: Key) -> bool:
     return isinstance(name, str) and name.startswith(_DEVICE_VALUE_PREFIXES)
 
 
-def keeps_its_name(node: GraphNode) -> bool:
-    """Whether ``node``'s key must keep its name through the rewrite whatever it reads: a P2P
-    shuffle's barrier (``distributed.shuffle``'s ``P2PBarrierTask``), which the shuffle's
-    scheduler and worker plugins look up by the name ``shuffle-barrier-<shuffle id>``. Renamed,
-    the shuffle fails with ``P2PConsistencyError``. Its value (the transfers' run ids) is the
-    same whatever name the transfers it waits for have."""
+def keeps_its_name(node: GraphNode) -> TypeGuard[Task]:
+    """Whether ``node``'s key cannot take just any new name in the rewrite: a P2P shuffle's
+    barrier (``distributed.shuffle``'s ``P2PBarrierTask``), which the shuffle's scheduler and
+    worker plugins look up by the name ``shuffle-barrier-<shuffle id>`` (:func:`barrier_key`).
+    Named otherwise, the shuffle fails with ``P2PConsistencyError``; a new shuffle id is the
+    way to a new name (:func:`with_shuffle_id`)."""
     if type(node) is Task or not isinstance(node, Task):  # (the common case: one check)
         return False
     core = sys.modules.get("distributed.shuffle._core")  # loaded wherever a barrier exists
     barrier = getattr(core, "P2PBarrierTask", None)
     return barrier is not None and isinstance(node, barrier)
+
+
+def shuffle_id_of(barrier: Task) -> str:
+    """The shuffle id of a P2P barrier (its spec's)."""
+    return str(barrier.spec.id)  # type: ignore[attr-defined]
+
+
+def barrier_key(shuffle_id: str) -> str:
+    """The key of the barrier of shuffle ``shuffle_id``, as distributed names it."""
+    from distributed.shuffle._core import ShuffleId, barrier_key
+
+    return barrier_key(ShuffleId(shuffle_id))
+
+
+def with_shuffle_id(node: GraphNode, old: str, new: str) -> GraphNode:
+    """``node`` as a task of shuffle ``new`` rather than ``old``: the id among its arguments
+    (a transfer's, an unpack's, the barrier's, also inside a task linear fusion glued them
+    into) and in a barrier's spec. Nothing else changes."""
+    if not isinstance(node, Task):
+        return node
+
+    def swap(arg: Any) -> Any:
+        if type(arg) is str:
+            return new if arg == old else arg
+        if isinstance(arg, Task):
+            return with_shuffle_id(arg, old, new)
+        if type(arg) is dict:  # a fused task's inner graph
+            return {k: swap(v) for k, v in arg.items()}
+        return arg
+
+    args = tuple([swap(a) for a in node.args])
+    kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+    if type(node) is Task:
+        return new_task(node.key, node.func, args, kwargs, node.dependencies, node.data_producer)
+    names = _extra_args(type(node))  # type: ignore[arg-type]
+    extras = {name: getattr(node, name) for name in names - {"key", "func"}}
+    spec = extras.get("spec")
+    if dataclasses.is_dataclass(spec) and getattr(spec, "id", None) == old:
+        extras["spec"] = dataclasses.replace(spec, id=new)  # type: ignore[type-var]
+    return type(node)(node.key, node.func, *args, **kwargs, **extras)
 
 
 def fused_output(node: GraphNode) -> GraphNode | None:

@@ -40,9 +40,12 @@ from eugo_dask.graph import (
     NO_KWARGS,
     Graph,
     Key,
+    barrier_key,
     fused,
     keeps_its_name,
     new_task,
+    shuffle_id_of,
+    with_shuffle_id,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
@@ -465,9 +468,9 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames, readers = _renames(out, order, original, outputs, on_device.to_device_keys, token,
-                                copied_back)
-    graph = _renamed_graph(out, renames, readers)
+    renames, readers, shuffle_ids = _renames(out, order, original, outputs,
+                                             on_device.to_device_keys, token, copied_back)
+    graph = _renamed_graph(out, renames, readers, shuffle_ids)
     if renames:
         for old, new in renames.items():
             if old in roles:
@@ -481,29 +484,33 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
              to_device_keys: list[Key], token: str, copied_back: dict[Key, Key]
-             ) -> tuple[dict[Key, Key], list[Key]]:
+             ) -> tuple[dict[Key, Key], list[Key], dict[Key, tuple[str, str]]]:
     """New names for the original keys whose meaning changed: their task is not Dask's (split
     from a fused task, replaced by a copy back) or reads a renamed key. Keys eugo
     wrote carry the token already; outputs keep their names (their values are Dask's). A key
-    whose copy back took its place (``copied_back``) takes the copy's name. A key others find by
-    its name (a P2P shuffle's barrier: :func:`~eugo_dask.graph.keeps_its_name`) keeps it, and
-    its value: only the keys it reads are renamed, and its readers keep their names.
+    whose copy back took its place (``copied_back``) takes the copy's name. A P2P shuffle whose
+    transfers read renamed keys becomes a shuffle of its own (:func:`_renamed_shuffle`).
 
     Also the keys whose task may read a renamed key, to be looked at again once the names are
     known: the original keys whose meaning changed, and the copies to the device (which read
     host results by their original keys). The device tasks and copies back read only keys eugo
-    wrote."""
+    wrote. And the shuffle ids to change, by key."""
     # (an original key reads a key eugo wrote only where eugo changed its task: seen below)
     changed: set[Key] = set()
     renames: dict[Key, Key] = {}
     readers: list[Key] = []
+    shuffle_ids: dict[Key, tuple[str, str]] = {}
     # (the keys moved to the device and consumed there are skipped by C, not by bytecode)
     for key in filter(out.__contains__, order):
         node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
-            if keeps_its_name(node):  # read by name (a P2P barrier): its reads renamed only
-                readers.append(key)
+            if keeps_its_name(node):  # a P2P barrier: the whole shuffle gets a new id
+                readers.extend(_renamed_shuffle(out, node, token, renames, shuffle_ids))
+                changed.add(key)
                 continue
+            if shuffle_ids and not shuffle_ids.keys().isdisjoint(node.dependencies):
+                shuffle_ids[key] = next(shuffle_ids[d] for d in node.dependencies
+                                        if d in shuffle_ids)  # an unpack, fused or not
             changed.add(key)
             copy_back = copied_back.get(key)
             if copy_back is not None:
@@ -512,11 +519,34 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
             readers.append(key)
             if key not in outputs:
                 renames[key] = renamed_key(key, token)
-    return renames, readers + to_device_keys
+    return renames, readers + to_device_keys, shuffle_ids
 
 
-def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
-                   ) -> dict[Key, GraphNode]:
+def _renamed_shuffle(out: Graph, barrier: Task, token: str, renames: dict[Key, Key],
+                     shuffle_ids: dict[Key, tuple[str, str]]) -> list[Key]:
+    """Make the P2P shuffle of ``barrier``, some of whose transfers read keys eugo renamed, a
+    shuffle of its own: id ``<id>-<token>``, its barrier ``shuffle-barrier-<id>-<token>`` (the
+    name distributed's shuffle plugins look it up by), every transfer renamed (with the tasks
+    linear fusion glued to it), and its unpacks renamed as the barrier's readers are. Kept
+    under Dask's id, the barrier had one name and two specs where the same rechunk was also
+    computed without eugo ('Detected different run_spec'). Returns the keys to rewrite."""
+    old_id = shuffle_id_of(barrier)
+    new_id = f"{old_id}-{token}"
+    parts = [barrier.key]
+    for dep in barrier.dependencies:
+        parts.append(dep)
+        while isinstance(node := out.get(parts[-1]), Alias):  # a transfer fused with its input
+            parts.append(node.target)
+    for part in parts:
+        shuffle_ids[part] = (old_id, new_id)
+        if part not in renames:
+            renames[part] = renamed_key(part, token)
+    renames[barrier.key] = barrier_key(new_id)
+    return parts
+
+
+def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key],
+                   shuffle_ids: dict[Key, tuple[str, str]]) -> dict[Key, GraphNode]:
     """``out`` with ``renames`` applied, each key where it was: dask.order breaks ties by the
     order of the graph's keys. A new dict either way (``out`` has the holes of the keys moved
     to the device)."""
@@ -528,6 +558,8 @@ def _renamed_graph(out: Graph, renames: dict[Key, Key], readers: list[Key]
         node = out[key]
         if key in renames or not renamed.isdisjoint(node.dependencies):
             changed[key] = _renamed_node(key, node, renames)
+            if key in shuffle_ids:
+                changed[key] = with_shuffle_id(changed[key], *shuffle_ids[key])
     # (renames.get(key, key) and changed.get(key, node) for every key, mapped in C)
     return dict(zip(map(renames.get, out, out), map(changed.get, out, out.values())))
 

@@ -1,6 +1,8 @@
 """P2P rechunking with eugo on: distributed's shuffle finds its barrier by name
-(``shuffle-barrier-<id>``), so the rewrite keeps that name whatever the barrier reads, and the
-computation gives plain Dask's result on clusters with a GPU worker beside CPU workers.
+(``shuffle-barrier-<id>``), so a shuffle the rewrite touches becomes a shuffle of its own (a new
+id in its barrier's name, spec, transfers and unpacks), and the computation gives plain Dask's
+result on clusters with a GPU worker beside CPU workers, also beside the same computation
+without eugo.
 
 Every wait has a timeout: a hang is a failure."""
 
@@ -10,7 +12,9 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask._task_spec import Alias, Task
 from dask.array.utils import assert_eq
+from dask.core import flatten
 
 from eugo_dask.testing import device_tasks, emulated_gpu_cluster, emulated_settings
 
@@ -35,18 +39,67 @@ def through_p2p(x, method="p2p"):
     return (z @ z.T + 1).sum()
 
 
-def test_the_rewrite_keeps_every_barrier_name():
-    # a partial rechunk: several shuffles, a barrier each
+def shuffle_ids_read(node):
+    """The 32-hex shuffle ids among a task's arguments, also inside tasks fused into it."""
+    found = set()
+
+    def walk(arg):
+        if isinstance(arg, str) and len(arg.split("-")[0]) == 32:
+            found.add(arg)
+        elif isinstance(arg, Task):
+            for a in (*arg.args, *arg.kwargs.values()):
+                walk(a)
+        elif isinstance(arg, dict):
+            for a in arg.values():
+                walk(a)
+
+    walk(node)
+    return found
+
+
+def test_every_shuffle_the_rewrite_touches_is_a_shuffle_of_its_own():
+    """A barrier is found by the name shuffle-barrier-<its spec's id>, and its transfers and
+    unpacks name the same id; a shuffle whose transfers read renamed keys gets a new id, so
+    no key of it means one thing in plain Dask's graph and another in eugo's."""
     x = da.from_array(X, chunks=(50, 600))
-    y = (np.sin(x) + 1).rechunk((100, 300), method="p2p") @ np.ones((600, 10))
+    y = (np.sin(x) + 1).rechunk((100, 300), method="p2p") @ np.ones((600, 10))  # partial: 3
     plain = dict(y.__dask_optimize__(y.__dask_graph__(), y.__dask_keys__()))
     with dask.config.set(emulated_settings()):
         rewritten = dict(y.__dask_optimize__(y.__dask_graph__(), y.__dask_keys__()))
     assert any(isinstance(k, tuple) and k[0].startswith("eugo-gpu") for k in rewritten)
-    assert barriers(rewritten) == barriers(plain) != set()
-    for key in barriers(rewritten):  # each still waits for all of its shuffle's transfers
-        assert len(rewritten[key].dependencies) == len(plain[key].dependencies)
-        assert all(dep in rewritten for dep in rewritten[key].dependencies)
+    assert len(barriers(rewritten)) == len(barriers(plain)) > 1
+    assert barriers(rewritten).isdisjoint(barriers(plain))
+    for key in barriers(rewritten):
+        barrier = rewritten[key]
+        assert key == f"shuffle-barrier-{barrier.spec.id}"
+        assert barrier.args[0] == barrier.spec.id
+        assert len(barrier.dependencies) == len(plain[key.rsplit("-", 1)[0]].dependencies)
+        for dep in barrier.dependencies:  # transfers (through the alias of a fused one)
+            node = rewritten[dep]
+            while isinstance(node, Alias):
+                node = rewritten[node.target]
+            assert shuffle_ids_read(node) == {barrier.spec.id}
+        readers = [n for n in rewritten.values() if key in n.dependencies]
+        assert readers and all(shuffle_ids_read(n) == {barrier.spec.id} for n in readers)
+    shared = plain.keys() & rewritten.keys() - set(flatten(y.__dask_keys__()))
+    assert shared and all(rewritten[k] == plain[k] for k in shared)  # (outputs keep names)
+
+
+def test_a_p2p_rechunk_computed_plain_and_with_eugo_at_once(caplog):
+    """The same collection submitted without eugo and with it, both in flight: no key of one
+    graph with two specs ('Detected different run_spec for key shuffle-barrier-...', which
+    distributed warns can cause failures and deadlocks), both results plain Dask's."""
+    x = da.from_array(X, chunks=(30, 600))
+    expected = through_p2p(x, "tasks").compute(scheduler="sync")
+    with emulated_gpu_cluster(cpu_workers=1, threads_per_worker=2) as client:
+        y = through_p2p(x)
+        with dask.config.set(optimizations=[]):
+            plain = client.compute(y)
+        with_eugo = client.compute(y)
+        assert_eq(plain.result(timeout=120), expected)
+        assert_eq(with_eugo.result(timeout=120), expected)
+        assert device_tasks(client.cluster.workers["gpu"]) > 0
+    assert "different `run_spec`" not in caplog.text
 
 
 def test_p2p_rechunk_in_a_local_cluster():
