@@ -293,13 +293,13 @@ def with_shuffle_id(node: GraphNode, old: str, new: str) -> GraphNode:
     """``node`` as a task of shuffle ``new`` rather than ``old``: the id among its arguments
     (a transfer's, an unpack's, the barrier's, also inside a task linear fusion glued them
     into) and in a barrier's spec. Nothing else changes."""
-    if not isinstance(node, Task):
+    if type(node) is not Task and not keeps_its_name(node):
         return node
 
     def swap(arg: Any) -> Any:
         if type(arg) is str:
             return new if arg == old else arg
-        if isinstance(arg, Task):
+        if type(arg) is Task:  # (a shuffle's own tasks are plain; containers hold no id)
             return with_shuffle_id(arg, old, new)
         if type(arg) is dict:  # a fused task's inner graph
             return {k: swap(v) for k, v in arg.items()}

@@ -500,17 +500,19 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
     renames: dict[Key, Key] = {}
     readers: list[Key] = []
     shuffle_ids: dict[Key, tuple[str, str]] = {}
+    barriers: set[Key] = set()  # of the shuffles renamed
     # (the keys moved to the device and consumed there are skipped by C, not by bytecode)
     for key in filter(out.__contains__, order):
         node = out[key]
         if node is not original.get(key) or not changed.isdisjoint(node.dependencies):
             if keeps_its_name(node):  # a P2P barrier: the whole shuffle gets a new id
                 readers.extend(_renamed_shuffle(out, node, token, renames, shuffle_ids))
+                barriers.add(key)
                 changed.add(key)
                 continue
-            if shuffle_ids and not shuffle_ids.keys().isdisjoint(node.dependencies):
+            if barriers and not barriers.isdisjoint(node.dependencies):  # an unpack (fused?)
                 shuffle_ids[key] = next(shuffle_ids[d] for d in node.dependencies
-                                        if d in shuffle_ids)  # an unpack, fused or not
+                                        if d in barriers)
             changed.add(key)
             copy_back = copied_back.get(key)
             if copy_back is not None:

@@ -16,6 +16,7 @@ from dask._task_spec import Alias, Task
 from dask.array.utils import assert_eq
 from dask.core import flatten
 
+from eugo_dask.optimization import pass_stats
 from eugo_dask.testing import device_tasks, emulated_gpu_cluster, emulated_settings
 
 from .cluster import process_cluster
@@ -83,6 +84,20 @@ def test_every_shuffle_the_rewrite_touches_is_a_shuffle_of_its_own():
         assert readers and all(shuffle_ids_read(n) == {barrier.spec.id} for n in readers)
     shared = plain.keys() & rewritten.keys() - set(flatten(y.__dask_keys__()))
     assert shared and all(rewritten[k] == plain[k] for k in shared)  # (outputs keep names)
+
+
+def test_a_p2p_rechunk_whose_chunks_are_the_result(caplog):
+    """The unpacks read by the compute's finalize (a task of nested lists): only the
+    shuffle's own tasks change their id; the pass runs through (distributed's
+    test_rechunk_expand failed inside the pass, its graph run unchanged)."""
+    a = np.random.default_rng(2).random((10, 10))
+    x = np.sin(da.from_array(a, chunks=(5, 5)))
+    y = x.rechunk(chunks=((3, 3, 3, 1), (3, 3, 3, 1)), method="p2p")
+    errors = pass_stats()["pass_errors"]
+    with emulated_gpu_cluster(cpu_workers=1, threads_per_worker=2) as client:
+        assert_eq(client.compute(y).result(timeout=120), np.sin(a))
+        assert device_tasks(client.cluster.workers["gpu"]) > 0
+    assert pass_stats()["pass_errors"] == errors, caplog.text
 
 
 def test_a_p2p_rechunk_computed_plain_and_with_eugo_at_once(caplog):
