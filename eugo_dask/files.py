@@ -2,30 +2,35 @@
 where no other user could have put or swapped them.
 
 The measured CPU section (:mod:`eugo_dask.measure`) and learned durations
-(:mod:`eugo_dask.history`) are read and written here, and only here. A write goes to a new
-temporary file beside the target (created exclusively, readable by the user alone, under a name
-nobody can guess) and is renamed over it, so a reader never sees half a file, concurrent writers
-leave one whole file, and a link planted in the directory is never written through. A file is
-read only if it is no link and is the user's (or root's).
+(:mod:`eugo_dask.history`) are read and written here, and only here. A file's directory is
+opened first (no link) and must be the user's (or root's) and writable by no other user
+(world-writable only with the sticky bit, as ``/tmp``); everything else happens relative to that
+open directory, so whatever happens to the path above it, eugo reads and writes only where it
+checked. A write goes to a new temporary file (created exclusively, readable by the user alone,
+under a name nobody can guess) renamed over the target, so a reader never sees half a file,
+concurrent writers leave one whole file, and a link planted in the directory is never written
+through. A file is read only if it is no link and is the user's (or root's).
 
-A directory another user could write to, the file's own or any above it, is refused: one that
-every user may write and that has no sticky bit (``/tmp`` has it), or one that belongs to
-another user (root's are trusted). There, someone else could plant a link or a file of their
-choosing. The refusal is said once per directory and raises :class:`UnsafeLocation`, an
-``OSError`` like any other unwritable place: eugo works without the file (measures the CPU
-again, learns in memory only).
+The directories above may be anyone's: a pod's ``/tmp`` (an ``emptyDir``, world-writable
+without the sticky bit) holds ``/tmp/cache/eugo-dask``, made 0700. Another user who can write
+there can at most remove eugo's directory (eugo measures again), or plant one of their own or a
+link in its place, which is refused. The refusal is said once per directory and raises
+:class:`UnsafeLocation`, an ``OSError`` like any other unwritable place: eugo works without the
+file (measures the CPU again, learns in memory only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
 import platform
+import secrets
 import stat
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -78,20 +83,37 @@ def _refuse(place: Path, why: str, target: Path) -> NoReturn:
     raise UnsafeLocation(f"{place} is unsafe: {why}")
 
 
-def _check(target: Path) -> None:
-    """Refuse ``target`` where another user could write to a directory above it (those not
-    made yet will be the user's own)."""
-    if not hasattr(os, "getuid"):  # no POSIX owners and modes (Windows)
+_DIRECTORY_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+_FILE_FLAGS = getattr(os, "O_NOFOLLOW", 0)
+#: Whether this system opens files relative to an open directory (POSIX; not Windows, whose
+#: files have no POSIX owners and modes to check either).
+_RELATIVE = {os.open, os.rename, os.unlink} <= os.supports_dir_fd  # (os.replace as os.rename)
+
+
+@contextlib.contextmanager
+def _directory_of(target: Path, *, create: bool) -> Iterator[int | None]:
+    """The open directory of ``target`` (None where files are not opened relative to one),
+    checked: no link, the user's, writable by no other user. ``create`` makes it and its
+    missing parents first (itself 0700)."""
+    directory = target.parent
+    if create:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _RELATIVE:
+        yield None
         return
-    directory = target.parent.resolve()
-    for place in (directory, *directory.parents):
-        try:
-            status = os.stat(place)
-        except FileNotFoundError:
-            continue
-        why = _unsafe_because(status)
+    try:
+        fd = os.open(directory, _DIRECTORY_FLAGS)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR) and directory.is_symlink():
+            _refuse(directory.absolute(), "it is a link", target)
+        raise
+    try:
+        why = _unsafe_because(os.fstat(fd))
         if why is not None:
-            _refuse(place, why, target)
+            _refuse(directory.absolute(), why, target)
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
@@ -101,13 +123,15 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     Raises ``OSError`` (:class:`UnsafeLocation` where refused), ``ValueError`` (no JSON) or
     ``RecursionError`` (nested past Python's limit); callers decide whether that matters."""
     target = Path(path)
-    _check(target)
-    with open(os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), encoding="utf-8") as f:
-        if hasattr(os, "getuid"):
-            why = _unsafe_because(os.fstat(f.fileno()))
-            if why is not None:
-                _refuse(target, why, target)
-        return json.loads(f.read())
+    with _directory_of(target, create=False) as directory:
+        fd = os.open(target.name if _RELATIVE else target, os.O_RDONLY | _FILE_FLAGS,
+                     dir_fd=directory)
+        with open(fd, encoding="utf-8") as f:
+            if _RELATIVE:
+                why = _unsafe_because(os.fstat(f.fileno()))
+                if why is not None:
+                    _refuse(target, why, target)
+            return json.loads(f.read())
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, **dumps: Any) -> None:
@@ -117,15 +141,17 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, **dumps: Any) -> 
     Raises ``OSError`` where the directory cannot be written (:class:`UnsafeLocation` where it
     is refused); callers decide whether that matters."""
     target = Path(path)
-    _check(target)
-    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     text = json.dumps(data, **dumps)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with _directory_of(target, create=True) as directory:
+        name = target.name if _RELATIVE else str(target)
+        tmp = f"{name[:-len(target.name)]}.{target.name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600,
+                     dir_fd=directory)
+        try:
+            with open(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=directory)
+            raise

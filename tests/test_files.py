@@ -57,19 +57,56 @@ def _learned(path):
 
 
 def test_a_cache_directory_every_user_can_write_is_refused_once(tmp_path, monkeypatch, caplog):
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)  # world-writable, no sticky bit: anyone may plant links or files here
-    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    cache = tmp_path / "cache" / "eugo-dask"
+    cache.mkdir(parents=True)
+    cache.chmod(0o777)  # world-writable, no sticky bit: anyone may plant links or files here
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache.parent))
     calls = _only_cpu_measured(monkeypatch)
     for _ in range(2):
         assert measure.cached_local_cpu() == {"measured": True}
         _learned(default_history_path()).save()
     assert len(calls) == 2  # eugo works without the cache: it measures again
-    assert list(shared.iterdir()) == []  # and writes nothing there
+    assert list(cache.iterdir()) == []  # and writes nothing there
     refusals = [r.getMessage() for r in caplog.records if "not using" in r.getMessage()]
     assert len(refusals) == 1, refusals
-    assert f"{shared.resolve()} is unsafe: every user can write to it and it has no sticky bit" in refusals[0]
+    assert f"{cache} is unsafe: every user can write to it and it has no sticky bit" in refusals[0]
+
+
+def test_a_link_planted_at_the_cache_directory_is_not_followed(tmp_path, monkeypatch, caplog):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (shared / "eugo-dask").symlink_to(elsewhere)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared))
+    calls = _only_cpu_measured(monkeypatch)
+    measure.cached_local_cpu()
+    _learned(default_history_path()).save()
+    measure.cached_local_cpu()
+    assert len(calls) == 2 and list(elsewhere.iterdir()) == []
+    assert f"{shared / 'eugo-dask'} is unsafe: it is a link" in caplog.text
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o2777], ids=["world-writable", "pod-emptydir"])
+def test_a_private_cache_under_a_directory_every_user_can_write(tmp_path, monkeypatch, mode):
+    """A pod's /tmp (a Kubernetes emptyDir: 0777, setgid where the pod has an fsGroup, no
+    sticky bit) holds the chart's XDG_CACHE_HOME: eugo makes its own directory there, 0700, and
+    keeps its files in it, read and written relative to the directory it checked. (Refused
+    before, for what was above it: no pod of the chart kept a cache or a history.)"""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    scratch.chmod(mode)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(scratch / "cache"))
+    calls = _only_cpu_measured(monkeypatch)
+    measure.cached_local_cpu()
+    measure.cached_local_cpu()
+    assert len(calls) == 1  # measured once, then read back
+    history_path = default_history_path()
+    _learned(history_path).save()
+    assert len(RuntimeHistory(history_path, min_samples=1)) > 0
+    cache = scratch / "cache" / "eugo-dask"
+    assert stat.S_IMODE(cache.stat().st_mode) & 0o777 == 0o700
+    assert {stat.S_IMODE(f.stat().st_mode) for f in cache.iterdir()} == {0o600}
 
 
 def test_a_sticky_shared_directory_is_used(tmp_path, monkeypatch):

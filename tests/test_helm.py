@@ -655,3 +655,39 @@ def test_rendered_commands_with_tls_admit_only_certificate_holders(tmp_path):
         while "TLS handshake failed" not in (tmp_path / "scheduler.log").read_text():
             assert time.monotonic() < deadline, "the scheduler did not refuse the handshake"
             time.sleep(0.1)
+
+
+KEEP_CACHE_AND_HISTORY = """
+from eugo_dask import history, measure
+measure.measure_local_cpu = lambda: {"measured": True}  # (the cache's life, not the measuring)
+measure.cached_local_cpu()
+learned = history.RuntimeHistory(history.default_history_path(), min_samples=1)
+for _ in range(3):
+    learned.record("matmul", "gpu", 2**23, 0.01)
+learned.save()
+print(len(history.RuntimeHistory(history.default_history_path(), min_samples=1)))
+"""
+
+
+def test_pods_keep_their_cache_and_history_in_the_scratch_volume(tmp_path):
+    """Every pod's XDG_CACHE_HOME lies in its /tmp emptyDir, which the kubelet makes 0777
+    (setgid under the chart's fsGroup) without the sticky bit: eugo keeps its CPU cache and
+    learned durations there all the same, in a directory of its own made 0700. (Before, eugo
+    refused the place for the directory above it: no pod kept either.)"""
+    for pod_name, pod in pod_specs(render(LOCAL)).items():
+        (container,) = pod["containers"]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        assert env["XDG_CACHE_HOME"].startswith("/tmp/"), pod_name
+        assert {"mountPath": "/tmp", "name": "scratch"} in container["volumeMounts"]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o2777)  # the emptyDir as the kubelet leaves it
+    local_env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_", "XDG_"))}
+    local_env |= {"PYTHONPATH": str(CHART.parents[1]),
+                  "XDG_CACHE_HOME": str(scratch) + env["XDG_CACHE_HOME"][len("/tmp"):]}
+    result = subprocess.run([sys.executable, "-c", KEEP_CACHE_AND_HISTORY], env=local_env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "not using" not in result.stderr, result.stderr
+    assert int(result.stdout) > 0  # the durations learned, read back from disk
+    kept = sorted(p.name.split("-")[0] for p in (scratch / "cache" / "eugo-dask").iterdir())
+    assert kept == ["cpu", "history"], kept
