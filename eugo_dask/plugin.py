@@ -76,7 +76,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _task_logger = logging.getLogger(__name__ + ".tasks")
 
+#: States of a task yet to run: a graph's new tasks are released until the scheduler moves them.
 _PENDING = frozenset({"released", "waiting", "no-worker", "queued"})
+#: When a worker has left, once the scheduler has moved what it must run again (released ->
+#: waiting): a task still released is done with (its result held nowhere, not wanted again).
+_WAITING = frozenset({"waiting", "no-worker", "queued"})
 #: Bounds on what the plugin keeps, whatever clients and workers send.
 MAX_PREFIXES = 2_000
 MAX_REASONS = 100
@@ -335,7 +339,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         fits: dict[Any, bool] = {}
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state not in _PENDING:
+            if ts is None or ts.state not in _WAITING:
                 continue
             wanted = ts.resource_restrictions
             if (not wanted or self.resource not in wanted  # running its CPU path already

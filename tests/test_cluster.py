@@ -151,6 +151,32 @@ def test_retiring_the_gpu_worker_mid_computation(tmp_path):
             assert_eq(persisted.sum(axis=1).compute(), expected)
 
 
+def gpu_run_specs(dask_scheduler):
+    """The states and run specs of the GPU tasks the scheduler still holds."""
+    plugin = dask_scheduler.plugins["eugo"]
+    return {str(k): (ts.state, repr(ts.run_spec)) for k in plugin.gpu_keys
+            if (ts := dask_scheduler.tasks.get(k)) is not None}
+
+
+def test_the_gpu_worker_leaving_after_its_work_is_done(tmp_path):
+    """The GPU tasks of a finished computation whose result is still held are released, not
+    pending: when the GPU worker leaves, they are not re-routed (their run specs were rewritten
+    to the CPU path) and nothing warns that pending GPU tasks run their CPU path."""
+    workers = {"gpu": {"gpu": True}, "cpu": {}}
+    x, expected = row_sums()
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            future = client.compute(x)
+        assert_eq(future.result(timeout=120), expected)
+        before = client.run_on_scheduler(gpu_run_specs)
+        assert before and {state for state, _ in before.values()} == {"released"}
+        cluster.kill("gpu")
+        wait_until(lambda: len(client.scheduler_info()["workers"]) == 1)
+        assert client.run_on_scheduler(gpu_run_specs) == before
+        assert not any("left" in w for w in plugin_summary(client)["warnings"])
+        assert_eq(future.result(timeout=60), expected)
+
+
 def test_same_collection_plain_and_with_eugo_at_once(tmp_path):
     workers = {"gpu": {"gpu": True}, "cpu": {}}
     y = da.random.RandomState(0).random((2000, 2000), chunks=500).rechunk((250, 2000)).sum(axis=1)
