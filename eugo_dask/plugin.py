@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from eugo_dask.config import read_resource
+from eugo_dask.config import check_keys, read_resource
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
@@ -156,6 +156,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self._guard("settings", self._check_own_settings)
         self._guard("metrics", register_metrics, scheduler)
         scheduler.stream_handlers.setdefault(REPORT_OP, functools.partial(_worker_report, scheduler))
         try:
@@ -166,6 +167,15 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         except Exception:  # never break the scheduler
             self.errors += 1
             logger.exception("eugo scheduler plugin: installing the worker plugin failed")
+
+    def _check_own_settings(self) -> None:
+        """Say where the scheduler's own ``eugo.*`` settings hold a key eugo does not know (a
+        misspelt ``DASK_EUGO__RESORCE`` in its environment left ``eugo.resource`` at its
+        default, and nothing said so): kept among the warnings (``/eugo``, ``summary()``)."""
+        try:
+            check_keys()
+        except ValueError as exc:
+            self._warn(f"eugo: the scheduler's settings: {exc}")
 
     def _guard(self, what: str, fn: Any, *args: Any) -> None:
         try:

@@ -151,6 +151,14 @@ def test_retiring_the_gpu_worker_mid_computation(tmp_path):
             assert_eq(persisted.sum(axis=1).compute(), expected)
 
 
+def test_a_misspelt_key_in_the_schedulers_environment_is_reported(tmp_path):
+    with process_cluster(tmp_path, workers={"cpu": {}},
+                         scheduler_env={"DASK_EUGO__RESORCE": "GPU2"}) as (cluster, client):
+        (warning,) = [w for w in plugin_summary(client)["warnings"] if "scheduler's" in w]
+        assert "unknown setting eugo.resorce" in warning and "eugo.resource" in warning
+        assert "scheduler's settings" in cluster.logs()
+
+
 def gpu_run_specs(dask_scheduler):
     """The states and run specs of the GPU tasks the scheduler still holds."""
     plugin = dask_scheduler.plugins["eugo"]
