@@ -66,11 +66,15 @@ def _unsafe_because(status: os.stat_result) -> str | None:
     None."""
     if status.st_uid not in (os.getuid(), 0):
         return f"it belongs to another user (uid {status.st_uid})"
-    if stat.S_ISDIR(status.st_mode):
-        if status.st_mode & stat.S_IWOTH and not status.st_mode & stat.S_ISVTX:
-            return "every user can write to it and it has no sticky bit"
-    elif status.st_mode & stat.S_IWOTH:
-        return "every user can write to it"
+    mode = status.st_mode
+    if stat.S_ISDIR(mode) and mode & stat.S_ISVTX:  # (as /tmp: others cannot replace ours)
+        return None
+    if mode & stat.S_IWOTH:
+        return "every user can write to it" + (" and it has no sticky bit" if stat.S_ISDIR(mode) else "")
+    if mode & stat.S_IWGRP and status.st_gid != os.getgid():
+        return f"the other users of its group (gid {status.st_gid}) can write to it"
+    if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+        return "it is no regular file"
     return None
 
 
@@ -124,8 +128,9 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     ``RecursionError`` (nested past Python's limit); callers decide whether that matters."""
     target = Path(path)
     with _directory_of(target, create=False) as directory:
-        fd = os.open(target.name if _RELATIVE else target, os.O_RDONLY | _FILE_FLAGS,
-                     dir_fd=directory)
+        # (non-blocking: a FIFO planted there is refused below rather than waited on)
+        fd = os.open(target.name if _RELATIVE else target,
+                     os.O_RDONLY | _FILE_FLAGS | getattr(os, "O_NONBLOCK", 0), dir_fd=directory)
         with open(fd, encoding="utf-8") as f:
             if _RELATIVE:
                 why = _unsafe_because(os.fstat(f.fileno()))

@@ -257,11 +257,13 @@ _DEVICE_VALUE_PREFIXES = (GPU_PREFIX + "-", H2D_PREFIX + "-")
 
 
 def holds_eugo_device_value(key: Key) -> bool:
-    """Whether ``key`` names one of eugo's own values that live on a device: the result of a
-    device task or of a copy to the device (:func:`eugo_dask.rewrite.prefixed_key`). A user's
-    own device arrays (a ``map_blocks(cupy.asarray)``) are not eugo's to move."""
+    """Whether ``key`` may name one of eugo's own values that live on a device: the result of
+    a device task or of a copy to the device (:func:`eugo_dask.rewrite.prefixed_key`), also
+    under a name Dask's linear fusion made of it and others (``array-eugo-todevice-...``,
+    where the bag and delayed optimizers fuse a rewritten graph). A user's own device arrays
+    (a ``map_blocks(cupy.asarray)``) are not eugo's to move."""
     name = key[0] if isinstance(key, tuple) and key else key
-    return isinstance(name, str) and name.startswith(_DEVICE_VALUE_PREFIXES)
+    return isinstance(name, str) and any(p in name for p in _DEVICE_VALUE_PREFIXES)
 
 
 def keeps_its_name(node: GraphNode) -> TypeGuard[Task]:

@@ -142,3 +142,41 @@ def test_a_history_directory_of_another_user_is_refused(tmp_path, monkeypatch, c
     _learned(path).save()
     assert path.read_text() == saved  # not written
     assert f"{theirs.resolve()} is unsafe: it belongs to another user" in caplog.text
+
+
+def test_a_fifo_planted_where_a_file_is_read_is_refused_not_waited_on(tmp_path):
+    """eugo.history may name a file right in a sticky world-writable directory (/tmp), where
+    any user can create a FIFO under the file's name. Opening it to read waits for a writer
+    (before any check of its owner or kind): the pass hung for ever. It must fail at once."""
+    import concurrent.futures
+
+    from eugo_dask.files import read_json
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    fifo = shared / "history.json"
+    os.mkfifo(fifo, 0o666)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    reading = pool.submit(read_json, fifo)
+    try:
+        concurrent.futures.wait([reading], timeout=10)
+        assert reading.done(), "read_json still waits on the FIFO after 10 s"
+        assert isinstance(reading.exception(), OSError)
+    finally:
+        if not reading.done():  # unblock the reader: open the FIFO for writing, then close
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pool.shutdown(wait=True)
+
+
+def test_a_directory_its_group_can_write_is_refused_unless_the_group_is_ours(tmp_path, monkeypatch, caplog):
+    shared = tmp_path / "team"
+    shared.mkdir()
+    shared.chmod(0o775)  # the users of its group could plant files or links here
+    path = shared / "history.json"
+    _learned(path).save()  # its group is ours: used
+    assert len(RuntimeHistory(path, min_samples=1)) > 0
+    another_group = os.getgid() + 1
+    monkeypatch.setattr(os, "getgid", lambda: another_group)  # now the group is someone else's
+    assert len(RuntimeHistory(path, min_samples=1)) == 0
+    assert f"{shared} is unsafe: the other users of its group (gid {shared.stat().st_gid})" in caplog.text

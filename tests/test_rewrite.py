@@ -432,3 +432,29 @@ def test_renaming_a_task_is_dasks_substitute():
     hand = _renamed_node("hand", dsk["hand"], renames)
     assert hand.dependencies == {("b", 0), ("b", 1)} and hand.data_producer
     assert hand({("b", 0): 3.0, ("b", 1): None}) == -1.0
+
+
+def test_device_values_under_names_dasks_linear_fusion_makes_are_eugos():
+    """Dask's linear fusion run over a rewritten graph (the bag and delayed optimizers do it:
+    ``db.from_delayed(x.to_delayed())``) moves a device task's value to a name it makes from
+    the chain's names, sorted: ``array-eugo-todevice-...-eugo-gpu-add-...``, with the device
+    task's own key an alias of it. The worker's ``get_data`` sends a device value as a host
+    array only where ``holds_eugo_device_value`` names it eugo's: both keys must be."""
+    from dask._task_spec import fuse_linear_task_spec
+
+    from eugo_dask.graph import holds_eugo_device_value
+    from eugo_dask.testing import emulated_settings
+
+    x = da.from_array(np.random.default_rng(0).random((400, 400)), chunks=100)
+    y = np.sin(x) * 2 + 1
+    z = y @ y.T + y
+    with dask.config.set(emulated_settings()):
+        parts = z.to_delayed().ravel().tolist()
+    graph = dict(parts[0].dask)
+    fused_graph = fuse_linear_task_spec(graph, [p.key for p in parts])
+    aliases = {k: v.target for k, v in fused_graph.items()
+               if isinstance(v, Alias) and holds_eugo_device_value(k)}
+    assert aliases  # device values the fusion moved
+    missed = sorted({str(t[0] if isinstance(t, tuple) else t) for t in aliases.values()
+                     if not holds_eugo_device_value(t)})
+    assert not missed, missed
