@@ -17,17 +17,26 @@ reads of a stored (h5py- or zarr-like) array and random chunks, each through an 
 into a mean (a chunk task per chunk: eugo writes a copy in, a device task and a copy back per
 chunk), and a ``map_overlap`` stencil with a function of the user's (which stays on the CPU).
 
-Then the same pipeline submitted to a distributed scheduler (a separate process, see
+Then two graphs submitted to a distributed scheduler (a separate process, see
 ``_scheduler_submit.py``), plain, ``plan`` and ``rewrite``, each on a fresh cluster: how long the
 scheduler's event loop was blocked while it took the graph (Dask's optimization and eugo's pass
 run in an offload thread that shares the GIL with the loop), the scheduler's ``update-graph``
-times and its peak memory growth, with eugo's loop blocking and memory as ratios to plain Dask's
-(goal: not much above 1).
+times and its peak memory growth, with eugo's loop blocking, ``update-graph`` time and memory as
+ratios to plain Dask's (goal: not much above 1). The graphs (``SCHEDULER_SHAPES``):
+
+- ``pipeline``: the matmul pipeline above;
+- ``random-chain``: ``a = da.random.default_rng(0).random((n, n), chunks=8)``,
+  ``(np.exp(a) * 2 + a).sum()``: Dask fuses each chunk's creation, chain and partial sum into
+  one task (and keeps an alias under the chain's old key, so the scheduler holds two keys per
+  chunk), then the reduction tree, 2x2 blocks a step.
 
     python benchmarks/pass_overhead.py            # 2 to ~1,070,000 tasks; scheduler ~515,000
-    python benchmarks/pass_overhead.py --quick    # 2 to ~6,000 tasks; scheduler ~6,000
+                                                  # (pipeline) and ~1,470,000 (random-chain)
+    python benchmarks/pass_overhead.py --quick    # 2 to ~6,000 tasks; scheduler ~6,000 and ~3,700
+    python benchmarks/pass_overhead.py --only-scheduler random-chain [--blocks N]
+                                                  # that graph's scheduler rows alone
 
-Graph shapes are in ``SHAPES``.
+The other graph shapes are in ``SHAPES``.
 """
 
 from __future__ import annotations
@@ -107,27 +116,56 @@ def _with_min_speedup_zero(fn):
         return fn()
 
 
-def submission(blocks: int) -> dict[str, dict]:
-    """The pipeline submitted to a fresh scheduler per mode (see ``_scheduler_submit.py``)."""
+def random_chain(blocks: int):
+    """Random chunks through an elementwise chain into a sum: one fused task per chunk (creation,
+    chain, partial sum; plus the alias Dask's fusion leaves under the old key), then the tree."""
+    n = blocks * 8
+    a = da.random.default_rng(0).random((n, n), chunks=8)
+    return (np.exp(a) * 2 + a).sum()
+
+
+#: name -> (graph builder, blocks per side: full, quick), submitted to a scheduler.
+#: pipeline: 72 -> ~515,000 tasks; random-chain: 794 -> ~1,470,000 (2 x 794² + the tree), 40 ->
+#: ~3,700
+SCHEDULER_SHAPES = {"pipeline": (pipeline, 72, 16), "random-chain": (random_chain, 794, 40)}
+
+
+def submission(build, blocks: int):
+    """``build(blocks)`` submitted to a fresh scheduler per mode (see ``_scheduler_submit.py``):
+    yields (mode, figures), plain first."""
     eugo_on = {"optimizations": [eugo], **SETTINGS}
     modes = {"plain": {"optimizations": []}, "plan": eugo_on,
              "rewrite": {**eugo_on, "eugo.min-speedup": 0}}
-    return {mode: measure_submission(lambda: pipeline(blocks), settings)
-            for mode, settings in modes.items()}
+    for mode, settings in modes.items():
+        yield mode, measure_submission(lambda: _quietly(build, blocks), settings)
 
 
-def print_submission(blocks: int) -> None:
-    results = submission(blocks)
-    plain = results["plain"]
-    print(f"\non a scheduler: the pipeline with blocks={blocks} submitted, one fresh cluster each "
-          f"(loop: the scheduler's event loop)")
-    print(f"{'mode':<8} {'tasks':>9} {'loop max s':>11} {'blocked s':>10} {'update s':>9} "
-          f"{'materialize s':>14} {'RSS GiB':>8} {'blocked/plain':>14} {'RSS/plain':>10}")
-    for mode, r in results.items():
-        print(f"{mode:<8} {r['tasks']:>9} {r['loop_max_s']:>11.2f} {r['loop_blocked_s']:>10.2f} "
-              f"{r['update_s']:>9.2f} {r['materialize_s']:>14.2f} {r['rss_peak_gib']:>8.2f} "
-              f"{_ratio(r['loop_blocked_s'], plain['loop_blocked_s']):>14} "
-              f"{_ratio(r['rss_peak_gib'], plain['rss_peak_gib']):>10}", flush=True)
+def _quietly(build, blocks: int):
+    with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
+        warnings.simplefilter("ignore", PerformanceWarning)
+        return build(blocks)
+
+
+def print_submission(shapes: dict[str, int]) -> None:
+    """The scheduler's figures for each graph (name -> blocks per side), a row per mode, printed
+    as each is measured."""
+    print("\non a scheduler: each graph submitted once per mode, one fresh cluster each (loop: the "
+          "scheduler's event loop; blocks: " + ", ".join(f"{n} {b}" for n, b in shapes.items())
+          + ")")
+    print(f"{'shape':<13} {'mode':<8} {'tasks':>9} {'loop max s':>11} {'blocked s':>10} "
+          f"{'update s':>9} {'materialize s':>14} {'RSS GiB':>8} {'blocked/plain':>14} "
+          f"{'update/plain':>13} {'RSS/plain':>10}", flush=True)
+    for name, blocks in shapes.items():
+        build = SCHEDULER_SHAPES[name][0]
+        plain: dict = {}
+        for mode, r in submission(build, blocks):
+            plain = plain or r
+            print(f"{name:<13} {mode:<8} {r['tasks']:>9} {r['loop_max_s']:>11.2f} "
+                  f"{r['loop_blocked_s']:>10.2f} {r['update_s']:>9.2f} {r['materialize_s']:>14.2f} "
+                  f"{r['rss_peak_gib']:>8.2f} "
+                  f"{_ratio(r['loop_blocked_s'], plain['loop_blocked_s']):>14} "
+                  f"{_ratio(r['update_s'], plain['update_s']):>13} "
+                  f"{_ratio(r['rss_peak_gib'], plain['rss_peak_gib']):>10}", flush=True)
 
 
 def _ratio(value: float, plain: float) -> str:
@@ -135,7 +173,19 @@ def _ratio(value: float, plain: float) -> str:
 
 
 def main() -> None:
-    args = _common.parse_args(_common.benchmark_parser(__doc__))
+    parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--only-scheduler", choices=sorted(SCHEDULER_SHAPES), metavar="SHAPE",
+                        help="only this graph's scheduler rows (one of: "
+                             + ", ".join(SCHEDULER_SHAPES) + ")")
+    parser.add_argument("--blocks", type=int,
+                        help="with --only-scheduler: blocks per side instead of the mode's size")
+    args = _common.parse_args(parser)
+    if args.blocks is not None and not args.only_scheduler:
+        parser.error("--blocks needs --only-scheduler")
+    if args.only_scheduler:
+        full, quick = SCHEDULER_SHAPES[args.only_scheduler][1:]
+        print_submission({args.only_scheduler: args.blocks or (quick if args.quick else full)})
+        return
     # from one chunk (a pass's fixed costs: settings, profile, token) to ~1,070,000 tasks
     sizes = [1, 2, 8, 16] if args.quick else [1, 2, 4, 16, 24, 48, 64, 92]
     print(f"{'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} {'µs/task':>8} "
@@ -156,7 +206,8 @@ def main() -> None:
             print(f"{name:<8} {r['tasks']:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} "
                   f"{r['plan'] / r['dask']:>10.2f} {r['rewrite']:>10.4f} "
                   f"{r['rewrite'] / r['dask']:>13.2f}", flush=True)
-    print_submission(16 if args.quick else 72)
+    print_submission({name: quick if args.quick else full
+                      for name, (_, full, quick) in SCHEDULER_SHAPES.items()})
 
 
 if __name__ == "__main__":

@@ -138,13 +138,25 @@ def check_pass_overhead(out: str) -> None:
               if line.startswith(("reads ", "random ", "stencil "))}
     assert set(shapes) == {"reads", "random", "stencil"}
     assert all(int(r[1]) > 500 and float(r[4]) > 0 and float(r[6]) > 0 for r in shapes.values())
-    # the scheduler submission: a row per mode, the graph taken (tasks held), ratios to plain
-    submitted = {line.split()[0]: line.split() for line in out.splitlines()
-                 if line.startswith(("plain ", "plan ", "rewrite "))}
-    assert set(submitted) == {"plain", "plan", "rewrite"}
-    assert all(int(r[1]) > 0 for r in submitted.values())
-    assert int(submitted["rewrite"][1]) > int(submitted["plain"][1])  # copy tasks added
-    assert submitted["plain"][7] in ("1.00", "-")
+    # the scheduler submission: both graphs, a row per mode, the graph taken (tasks held), eugo's
+    # loop blocking, update-graph time and memory as ratios to plain's
+    submitted = {(line.split()[0], line.split()[1]): line.split() for line in out.splitlines()
+                 if line.startswith(("pipeline ", "random-chain "))}
+    assert set(submitted) == {(shape, mode) for shape in ("pipeline", "random-chain")
+                              for mode in ("plain", "plan", "rewrite")}
+    for shape, low in (("pipeline", 5000), ("random-chain", 3000)):
+        plain, plan, rewrite = (submitted[shape, mode] for mode in ("plain", "plan", "rewrite"))
+        assert all(len(r) == 11 for r in (plain, plan, rewrite))
+        # a few thousand tasks, the same graph planned; the rewrite adds copy tasks
+        assert low < int(plain[2]) == int(plan[2]) < int(rewrite[2])
+        assert all(float(v) >= 0 for r in (plain, plan, rewrite) for v in r[3:8])
+        # update-graph time and memory growth: finite positive ratios, plain's own 1.00
+        assert plain[9] == plain[10] == "1.00"
+        assert all(0 < float(r[i]) < float("inf") for r in (plan, rewrite) for i in (9, 10))
+        # loop blocking: a ratio where plain's loop stalled at all ("-" where it never did)
+        assert plain[8] in ("1.00", "-")
+        assert all(r[8] == "-" if plain[8] == "-" else 0 <= float(r[8]) < float("inf")
+                   for r in (plan, rewrite))
 
 
 def check_enabled_overhead(out: str) -> None:
