@@ -25,6 +25,24 @@ WORKERS = {"gpu": {"gpu": True, "nthreads": 2}, "cpu": {}}
 CHROMIUM = shutil.which("chromium")
 
 
+def _wait_for_gate(total, name):
+    from distributed import Event
+
+    Event(name).wait(timeout=120)
+    return 1
+
+
+def gated(gate):
+    """A computation with device work whose last task waits until ``gate`` is set: its
+    elementwise chain (new prefixes on the page: the fused random, exp and sum of each chunk)
+    runs while the result cannot be ready."""
+    import dask.array as da
+    import numpy as np
+
+    total = np.exp(da.random.default_rng(1).random((3000, 3000), chunks=(100, 3000)) * 3).sum()
+    return dask.delayed(_wait_for_gate)(total, gate.name)
+
+
 def get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as response:
         assert response.status == 200
@@ -90,17 +108,15 @@ def test_page_navigation_metrics_and_fine_metrics(cluster):
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: run `apt-get install chromium` "
                     "(as root) to run this test; .ci/run does")
 def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
+    """The page shows a computation while it runs: its last task waits on a gate the test
+    opens only once the browser's plots hold the computation's device tasks."""
+    from distributed import Event
     from playwright.sync_api import sync_playwright
 
     _, client, base = cluster
-    x = (pipeline() for _ in range(1))
     with dask.config.set(SETTINGS):
-        assert_eq(next(x).compute(), EXPECTED)  # data on the page before it opens
-        import dask.array as da
-        import numpy as np
-
-        big = np.exp(da.random.default_rng(1).random((3000, 3000), chunks=(100, 3000))).sum(axis=1)
-        running = client.compute(big)
+        assert_eq(pipeline().compute(), EXPECTED)  # data on the page before it opens
+    gate = Event("eugo-dashboard-gate", client=client)
     errors: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=[
@@ -112,25 +128,30 @@ def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(base + "/eugo")
             page.wait_for_function("() => window.Bokeh && Bokeh.documents.length > 0", timeout=30_000)
-            computing = not running.done()
-            # the plots' own data, as the browser holds it, once the periodic update ran
-            page.wait_for_function("""() => {
-                const doc = Bokeh.documents[0];
-                const fig = doc.get_model_by_name('eugo-tasks');
-                return fig && fig.renderers.some(r => r.data_source && r.data_source.data.prefix.length > 0);
-            }""", timeout=30_000)
-            prefixes = page.evaluate("""() => Array.from(
-                Bokeh.documents[0].get_model_by_name('eugo-tasks').renderers[0].data_source.data.prefix)""")
+            tasks = """() => {
+                const fig = Bokeh.documents[0].get_model_by_name('eugo-tasks');
+                const data = fig && fig.renderers.length ? fig.renderers[0].data_source.data : null;
+                return data ? Array.from(data.prefix) : [];
+            }"""
+            page.wait_for_function(f"() => ({tasks})().length > 0", timeout=30_000)
+            before = page.evaluate(tasks)
+            with dask.config.set(SETTINGS):
+                running = client.compute(gated(gate))
+            # (the new computation's device prefix appears while its last task waits)
+            page.wait_for_function(f"""() => ({tasks})().some(
+                p => p.startsWith('eugo-gpu') && !{before!r}.includes(p))""", timeout=60_000)
+            prefixes = page.evaluate(tasks)
             summary = page.evaluate("() => Bokeh.documents[0].get_model_by_name('eugo-summary').text")
+            assert not running.done()  # shown during the computation, not after it
             time.sleep(1)
             page.screenshot(path=str(tmp_path / "eugo.png"), full_page=True)
             assert page.title() == "Dask: Eugo"
         finally:
+            gate.set()
             browser.close()
-    running.result(timeout=120)
-    assert computing or running.done()
+    assert running.result(timeout=120) == 1
     assert errors == []
-    assert any(p.startswith("eugo-gpu") for p in prefixes)
+    assert any(p.startswith("eugo-gpu") and p not in before for p in prefixes)
     assert "tasks ran on a GPU" in summary
     assert (tmp_path / "eugo.png").stat().st_size > 20_000
 
