@@ -182,15 +182,6 @@ def test_cluster_profile_first_usable_candidate(tmp_path):
         assert cluster_profile() == str(calibrated)
 
 
-def test_ci_runs_the_suite_with_cupy_installed_and_no_gpu():
-    from pathlib import Path
-
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
-    step = ci.split("with the gpu extra installed and no GPU", 1)[1]
-    assert "pip install --quiet -e '.[test,gpu]'" in step  # CuPy and numba, as the image has
-    assert 'pytest -m "not slow"' in step
-
-
 def test_a_bad_profile_mapping_raises_on_every_read():
     """Checking a profile mapping is remembered per process (it runs on every pass); an error
     is not: the second read of the same bad mapping raises as the first did."""
