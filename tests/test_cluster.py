@@ -24,16 +24,8 @@ import eugo_dask
 from eugo_dask.plugin import MAX_PREFIXES, EugoSchedulerPlugin
 from eugo_dask.worker import REPORT_OP
 
-from .cluster import process_cluster
-from .test_plugin import (
-    EXPECTED,
-    SETTINGS,
-    pipeline,
-    placements,
-    plugin_summary,
-    row_sums,
-    worker_stats,
-)
+from .cluster import SETTINGS, placements, plugin_summary, process_cluster, worker_stats
+from .pipelines import EXPECTED, pipeline, row_sums
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -17,8 +17,8 @@ from dask.array.utils import assert_eq
 
 import eugo_dask
 
-from .cluster import process_cluster
-from .test_plugin import EXPECTED, SETTINGS, pipeline, plugin_summary, worker_stats
+from .cluster import SETTINGS, plugin_summary, process_cluster, worker_stats
+from .pipelines import EXPECTED, pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 WORKERS = {"gpu": {"gpu": True, "nthreads": 2}, "cpu": {}}

@@ -16,7 +16,7 @@ from eugo_dask.graph import ArraySpec, ChunkInfo, key_name, task_spec_dict
 from eugo_dask.optimization import _current_settings, _profile
 from eugo_dask.unfuse import split_mixed_tasks
 
-from .test_equivalence import _LazyArray
+from .pipelines import LazyArray
 
 
 def _matmul_tree():
@@ -47,7 +47,7 @@ def _legacy_random_with_edges():
 
 def _reads_with_edges():
     # reads of a stored array fused with device work (split off again), chunks of four shapes
-    x = da.from_array(_LazyArray(np.random.default_rng(4).random((100, 70))), chunks=(30, 20))
+    x = da.from_array(LazyArray(np.random.default_rng(4).random((100, 70))), chunks=(30, 20))
     return (da.exp(x) @ x.T).sum(axis=0)
 
 
@@ -151,7 +151,7 @@ def test_an_index_read_from_a_chunk_is_the_datas_to_say_not_the_stand_ins(h200_s
         assert infer_step(family, name, operator.getitem, [values, index], {}).out == ArraySpec(
             (5, 3), np.dtype("f8"))
 
-    stored = da.from_array(_LazyArray(np.arange(26 * 13).reshape(13, 26, 1) % 10), chunks=(1, 26, 1))
+    stored = da.from_array(LazyArray(np.arange(26 * 13).reshape(13, 26, 1) % 10), chunks=(1, 26, 1))
     masked = stored[stored > 2].astype("f8")
     first, _ = _described(masked[masked > 4])
     second, _ = _described(masked[masked > 4])

@@ -211,7 +211,7 @@ def test_several_gpus(cupy):
 
 
 def _cases():
-    from .test_equivalence import CASES
+    from .pipelines import CASES
 
     return sorted(CASES)
 
@@ -224,7 +224,7 @@ NO_FALLBACK = {"chain", "matmul-chain", "fft2", "std", "cumsum", "rechunk", "fan
 
 @pytest.mark.parametrize("name", _cases())
 def test_same_result_on_cupy(name, cupy_device):
-    from .test_equivalence import CASES
+    from .pipelines import CASES
 
     with dask.config.set(optimizations=[]):
         expected = CASES[name]().compute(scheduler="sync")
@@ -239,9 +239,9 @@ def test_same_result_on_cupy(name, cupy_device):
 
 
 def test_matmul_add_sum_counters_on_cupy(cupy_device):
-    from .test_rewrite import A, B, matmul_add_sum
+    from .pipelines import MATMUL_A, MATMUL_B, matmul_add_sum
 
-    assert_eq(matmul_add_sum().compute(scheduler="sync"), ((A @ B) + 1).sum())
+    assert_eq(matmul_add_sum().compute(scheduler="sync"), ((MATMUL_A @ MATMUL_B) + 1).sum())
     stats = eugo_dask.device_stats()
     assert stats["h2d_count"] == 10 and stats["d2h_count"] == 6
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import dask
-import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
@@ -19,67 +17,21 @@ import eugo_dask
 from eugo_dask.plugin import EugoSchedulerPlugin
 from eugo_dask.testing import device_tasks
 
-from .cluster import process_cluster
-from .conftest import H200_SERVER
-from .test_equivalence import _LazyArray
+from .cluster import (
+    HETEROGENEOUS,
+    SETTINGS,
+    placements,
+    plugin_summary,
+    process_cluster,
+    received_device_arrays,
+    reported_summary,
+    worker_stats,
+)
+from .pipelines import EXPECTED, pipeline, row_sums
+from .pipelines import PIPELINE_A as A
+from .pipelines import PIPELINE_B as B
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-SETTINGS = {
-    "optimizations": [eugo_dask.eugo],
-    "eugo.device": "emulated",
-    "eugo.min-speedup": 0,
-    "eugo.profile": H200_SERVER,
-}
-rng = np.random.default_rng(11)
-A = rng.random((240, 160))
-B = rng.random((160, 200))
-EXPECTED = (np.tanh(A @ B) * 2).sum(axis=0)
-POISON = str(Path(__file__).with_name("poison_device.py"))
-HETEROGENEOUS = {
-    "gpu": {"gpu": True, "nthreads": 2},
-    "cpu-1": {"extra": ["--preload", POISON]},
-    "cpu-2": {"extra": ["--preload", POISON]},
-}
-
-
-def pipeline():
-    """Read (I/O) -> matmul -> elementwise -> reduction."""
-    a = da.from_array(_LazyArray(A), chunks=(80, 80))
-    b = da.from_array(B, chunks=(80, 100))
-    return (np.tanh(a @ b) * 2).sum(axis=0)
-
-
-def plugin_summary(client):
-    return client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
-
-
-def reported_summary(client, expected_gpu_tasks, timeout=30):
-    """The plugin's summary once the workers' reports (sent with their heartbeats) account for
-    ``expected_gpu_tasks`` GPU tasks that ran, on the device or their CPU path."""
-    deadline = time.monotonic() + timeout
-    while True:
-        summary = plugin_summary(client)
-        ran = sum(n for p, n in summary["tasks"].get("gpu", {}).items())
-        ran += sum(n for p, n in summary["tasks"].get("cpu", {}).items() if p.startswith("eugo-gpu"))
-        if ran >= expected_gpu_tasks or time.monotonic() > deadline:
-            return summary
-        time.sleep(0.2)
-
-
-def placements(client):
-    return client.run_on_scheduler(
-        lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].placements))
-
-
-def worker_stats(client):
-    stats = client.run(eugo_dask.device_stats)
-    names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
-    return {names[a]: s for a, s in stats.items()}
-
-
-def received_device_arrays(client):
-    return client.run(lambda dask_worker: getattr(dask_worker, "eugo_device_arrays_received", []))
 
 
 def test_heterogeneous_cluster_places_by_role(tmp_path):
@@ -136,14 +88,6 @@ def test_no_gpu_worker_runs_cpu_path_with_one_warning(tmp_path):
         assert ("no worker advertises the resource 'GPU' (workers advertise: none); this "
                 "graph runs unchanged on the CPU") in summary["warnings"][0]
         assert all(s["tasks"] == 0 for s in worker_stats(client).values())
-
-
-def row_sums():
-    """A computation long enough to kill a worker during it, and its result."""
-    a = da.random.default_rng(5).random((2000, 2000), chunks=(100, 2000))
-    x = np.exp(np.sin(a) ** 2).sum(axis=1)
-    with dask.config.set(optimizations=[]):
-        return x, x.compute(scheduler="sync")
 
 
 def test_gpu_worker_killed_mid_computation(tmp_path):

@@ -15,8 +15,7 @@ from dask.array.utils import assert_eq
 from eugo_dask.graph import GPU_PREFIX
 from eugo_dask.rewrite import prefixed_key
 
-from .cluster import process_cluster
-from .test_plugin import POISON, SETTINGS, placements, received_device_arrays
+from .cluster import POISON, SETTINGS, placements, process_cluster, received_device_arrays
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -13,14 +13,9 @@ from dask.utils import key_split
 import eugo_dask
 from eugo_dask import device_stats, eugo
 
-A = np.random.default_rng(0).random((300, 200))
-B = np.random.default_rng(1).random((200, 240))
-
-
-def matmul_add_sum():
-    a = da.from_array(A, chunks=(100, 100))  # 3x2 chunks
-    b = da.from_array(B, chunks=(100, 120))  # 2x2 chunks
-    return ((a @ b) + 1).sum()
+from .pipelines import MATMUL_A as A
+from .pipelines import MATMUL_B as B
+from .pipelines import matmul_add_sum
 
 
 def test_matmul_add_sum_moves_each_chunk_once(emulated):

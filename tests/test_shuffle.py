@@ -19,8 +19,13 @@ from dask.core import flatten
 from eugo_dask.optimization import pass_stats
 from eugo_dask.testing import device_tasks, emulated_gpu_cluster, emulated_settings
 
-from .cluster import process_cluster
-from .test_plugin import HETEROGENEOUS, placements, received_device_arrays, worker_stats
+from .cluster import (
+    HETEROGENEOUS,
+    placements,
+    process_cluster,
+    received_device_arrays,
+    worker_stats,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
