@@ -15,6 +15,7 @@ import yaml
 
 import eugo_dask
 from eugo_dask.calibrate import calibrate
+from eugo_dask.devices import cupy_device_count
 from eugo_dask.measure import _fit_inverse
 from eugo_dask.profile import load_profile, validate_profile_dict
 
@@ -39,9 +40,12 @@ def test_quick_calibration_is_a_valid_profile(quick_profile):
     # the chunk sizes that matter: matmul up to 2048², elementwise up to 2^23 elements
     assert [n for n, _ in cpu["matmul_s_per_flop"]["float64"]["matmul"]][-1] == 2048
     assert cpu["elementwise_s_per_element"]["float64"]["add"][-1][0] == 1 << 23
-    # no CUDA device here: the GPU side comes from the preset and says so
-    assert "not measured" in profile["source"]
-    assert profile["gpu"]["name"].startswith("NVIDIA H200")
+    if cupy_device_count():  # the GPU and its link measured here, under the device's name
+        assert profile["name"] == "calibrated" and "not measured" not in profile["source"]
+        assert profile["link"]["h2d_bytes_per_s"] > 0
+    else:  # no CUDA device here: the GPU side comes from the preset and says so
+        assert profile["name"] == "h200-calibrated-cpu" and "not measured" in profile["source"]
+        assert profile["gpu"]["name"].startswith("NVIDIA H200")
     assert any("matmul" in m for m in messages) and messages[-1].startswith("done in")
 
 
@@ -56,7 +60,7 @@ def test_calibrated_profile_prices_tasks(quick_profile, tmp_path):
     x = da.ones((2000, 2000), chunks=1000)
     with dask.config.set({"eugo.device": "emulated", "eugo.profile": str(path)}):
         plan = eugo_dask.explain(np.sin(x) @ x)
-    assert plan.profile_name == "h200-calibrated-cpu" and len(plan) > 0
+    assert plan.profile_name == profile["name"] and len(plan) > 0
 
 
 def test_fit_recovers_peak_and_half():
