@@ -117,6 +117,28 @@ def _spread(rates: Sequence[float]) -> float:
     return max(kept) / min(kept) if kept else 1.0
 
 
+#: A share of a core below this, while measuring, means other processes took turns on it.
+CONTENDED_SHARE = 0.7
+
+
+def cpu_share(seconds: float = 0.05) -> float:
+    """The share of a core this thread got over a short busy loop: its CPU time over the wall
+    time, about 1 on a core of its own and lower where other processes take turns on it (what
+    the load average, a minute's mean, misses when the competition is new)."""
+    start, cpu_start = time.perf_counter(), time.thread_time()
+    while (wall := time.perf_counter() - start) < seconds:
+        sum(range(1000))
+    return min((time.thread_time() - cpu_start) / wall, 1.0)
+
+
+def contention_warning(share: float) -> str | None:
+    """A warning where this process had less than :data:`CONTENDED_SHARE` of a core."""
+    if share >= CONTENDED_SHARE:
+        return None
+    return (f"this process had {share:.0%} of a core while measuring: other processes compete "
+            "for the CPU and the rates may be low")
+
+
 def machine_load_warning() -> str | None:
     """A warning where the 1-minute load average is above the number of cores (another
     process competes for them), else None."""
@@ -193,6 +215,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
     if load is not None:
         stable.warnings.append(load)
         progress(f"warning: {load}")
+    share_before = cpu_share()
     rng = np.random.default_rng(0)
 
     def rate(name: str, work: float, fn: Callable[[], Any], budget_s: float = 0.4) -> float:
@@ -285,6 +308,10 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
         "reduction_s_per_element": reduction_table,
         "task_overhead_s": max(overhead, 1e-6),
     }
+    contended = contention_warning(min(share_before, cpu_share()))
+    if contended is not None:
+        stable.warnings.append(contended)
+        progress(f"warning: {contended}")
     if stable.warnings:
         section["warnings"] = stable.warnings
         summary = stable.summary()
@@ -307,15 +334,20 @@ def cpu_cache_path() -> Path:
 def cached_local_cpu(*, accept: Callable[[dict[str, Any]], bool] = lambda data: True,
                      ) -> dict[str, Any]:
     """The local CPU's profile section: read from the per-machine cache where ``accept``
-    takes it, else measured and cached."""
+    takes it, else measured and cached. A reading with warnings (the machine was loaded, other
+    processes took turns on the core, rounds disagreed) serves this process only: it is not
+    cached, and one found in the cache is measured again, so a bad minute does not price every
+    plan on this machine for good."""
     path = cpu_cache_path()
     try:
         data = read_json(path)
-        if isinstance(data, dict) and accept(data):
+        if isinstance(data, dict) and not data.get("warnings") and accept(data):
             return data
     except (OSError, ValueError, RecursionError):  # none yet, refused, or not JSON: measure again
         pass
     data = measure_local_cpu()
+    if data.get("warnings"):
+        return data
     try:
         write_json_atomic(path, data, indent=2)
     except OSError:  # read-only or refused: measure again next process

@@ -98,13 +98,9 @@ def test_cli_explain(tmp_path):
 
 
 def test_one_cpu_measurer_at_three_levels():
-    import time
-
     from eugo_dask.measure import SIZES, measure_cpu, measure_local_cpu
 
-    start = time.perf_counter()
     probe = measure_local_cpu()
-    assert time.perf_counter() - start < 3.0  # well under 2 s on an idle machine
     assert "(probe)" in probe["source"]
     assert [n for n, _ in probe["matmul_s_per_flop"]["float64"]["matmul"]] == list(SIZES["probe"]["matmul"])
     assert SIZES["full"]["matmul"][-1] == 4096
