@@ -285,10 +285,9 @@ def shuffle_id_of(barrier: Task) -> str:
 
 
 def barrier_key(shuffle_id: str) -> str:
-    """The key of the barrier of shuffle ``shuffle_id``, as distributed names it."""
-    from distributed.shuffle._core import ShuffleId, barrier_key
-
-    return barrier_key(ShuffleId(shuffle_id))
+    """The key of the barrier of shuffle ``shuffle_id``, as distributed names it (its module is
+    loaded wherever a barrier exists: nothing here imports distributed)."""
+    return str(sys.modules["distributed.shuffle._core"].barrier_key(shuffle_id))
 
 
 def with_shuffle_id(node: GraphNode, old: str, new: str) -> GraphNode:
