@@ -27,97 +27,148 @@ logger = logging.getLogger(__name__)
 ROUTE = "/eugo"
 
 
-class EugoDashboard:
-    """The page's Bokeh components and their periodic update."""
+class Component:
+    """One figure or table of the page: made once, then updated from the plugin's summary and
+    the recent plans (as distributed's dashboard has one component per figure)."""
 
-    def __init__(self, scheduler: Any) -> None:
-        from bokeh.layouts import column, row
+    root: Any
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+
+def _hbar_figure(title: str, name: str, y_range: Any) -> Any:
+    from bokeh.plotting import figure
+
+    return figure(title=title, y_range=y_range, height=320, sizing_mode="stretch_width",
+                  toolbar_location=None, name=name)
+
+
+class TasksByDevice(Component):
+    """Tasks that ran on a GPU and on the CPU, per task prefix, as workers report them."""
+
+    def __init__(self) -> None:
         from bokeh.models import ColumnDataSource, FactorRange, HoverTool
-        from bokeh.models.widgets import DataTable, Div, TableColumn
-        from bokeh.plotting import figure
 
-        self.scheduler = scheduler
-        self.tasks = ColumnDataSource({"prefix": [], "gpu": [], "cpu": []})
-        self.transfers = ColumnDataSource({"prefix": [], "mb": [], "direction": [], "color": []})
-        self.seconds = ColumnDataSource({"prefix": [], "predicted": [], "actual": []})
-        self.whatif = ColumnDataSource({"run": [], "all_cpu": [], "all_gpu": [], "as_chosen": []})
-        self.fallbacks = ColumnDataSource({"reason": [], "count": []})
+        self.source = ColumnDataSource({"prefix": [], "gpu": [], "cpu": []})
+        self.prefixes = FactorRange()
+        self.root = _hbar_figure("Tasks by device, per prefix", "eugo-tasks", self.prefixes)
+        self.root.hbar_stack(["gpu", "cpu"], y="prefix", height=0.7, source=self.source,
+                             color=["#76b900", "#5f7f9f"], legend_label=["GPU", "CPU"])
+        self.root.add_tools(HoverTool(tooltips=[("prefix", "@prefix"), ("GPU", "@gpu"),
+                                                ("CPU", "@cpu")]))
 
-        self.task_prefixes = FactorRange()
-        self.transfer_prefixes = FactorRange()
-        self.timed_prefixes = FactorRange()
-        self.tasks_fig = figure(title="Tasks by device, per prefix", y_range=self.task_prefixes,
-                                height=320,
-                                sizing_mode="stretch_width", toolbar_location=None,
-                                name="eugo-tasks")
-        self.tasks_fig.hbar_stack(["gpu", "cpu"], y="prefix", height=0.7, source=self.tasks,
-                                  color=["#76b900", "#5f7f9f"], legend_label=["GPU", "CPU"])
-        self.tasks_fig.add_tools(HoverTool(tooltips=[("prefix", "@prefix"), ("GPU", "@gpu"),
-                                                     ("CPU", "@cpu")]))
-        self.transfer_fig = figure(title="MB copied, per transfer prefix",
-                                   y_range=self.transfer_prefixes,
-                                   height=320, sizing_mode="stretch_width",
-                                   toolbar_location=None, name="eugo-transfers")
-        self.transfer_fig.hbar(y="prefix", right="mb", height=0.7, color="color",
-                               legend_field="direction", source=self.transfers)
-        self.seconds_fig = figure(title="Predicted vs measured seconds, per prefix",
-                                  x_range=self.timed_prefixes,
-                                  height=320, sizing_mode="stretch_width",
-                                  toolbar_location=None, name="eugo-seconds")
-        self.seconds_fig.scatter(x="prefix", y="predicted", size=11, color="#f28e2b",
-                                 legend_label="predicted", source=self.seconds)
-        self.seconds_fig.scatter(x="prefix", y="actual", size=11, marker="triangle",
-                                 color="#4e79a7", legend_label="measured", source=self.seconds)
-        self.seconds_fig.xaxis.major_label_orientation = 0.6
-        self.whatif_fig = figure(title="What-if task-seconds per computation", height=320,
-                                 sizing_mode="stretch_width", toolbar_location=None,
-                                 name="eugo-whatif")
-        for field, color in (("all_cpu", "#5f7f9f"), ("all_gpu", "#e15759"),
-                             ("as_chosen", "#76b900")):
-            self.whatif_fig.line(x="run", y=field, color=color, line_width=2,
-                                 legend_label=field.replace("_", "-"), source=self.whatif)
-            self.whatif_fig.scatter(x="run", y=field, color=color, size=7, source=self.whatif)
-        self.whatif_fig.xaxis.axis_label = "computation"
-        self.summary = Div(text="", name="eugo-summary")
-        table = DataTable(source=self.fallbacks, height=140, sizing_mode="stretch_width",
-                          columns=[TableColumn(field="reason", title="Fallback reason"),
-                                   TableColumn(field="count", title="Task prefixes")])
-        self.root = column(
-            self.summary,
-            row(self.tasks_fig, self.transfer_fig, sizing_mode="stretch_width"),
-            row(self.seconds_fig, self.whatif_fig, sizing_mode="stretch_width"),
-            table,
-            sizing_mode="stretch_width",
-        )
-
-    def update(self) -> None:
-        plugin = self.scheduler.plugins.get("eugo")
-        summary = plugin.summary() if plugin is not None else _EMPTY
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
         gpu, cpu = summary["tasks"].get("gpu", {}), summary["tasks"].get("cpu", {})
         planned = sorted(set(gpu) | set(cpu), key=lambda p: gpu.get(p, 0) + cpu.get(p, 0))
-        self.tasks.data = {"prefix": planned, "gpu": [gpu.get(p, 0) for p in planned],
-                           "cpu": [cpu.get(p, 0) for p in planned]}
-        self.task_prefixes.factors = planned
+        self.source.data = {"prefix": planned, "gpu": [gpu.get(p, 0) for p in planned],
+                            "cpu": [cpu.get(p, 0) for p in planned]}
+        self.prefixes.factors = planned
+
+
+class BytesCopied(Component):
+    """Bytes copied host->device and device->host."""
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource, FactorRange
+
+        self.source = ColumnDataSource({"prefix": [], "mb": [], "direction": [], "color": []})
+        self.directions = FactorRange()
+        self.root = _hbar_figure("MB copied, per transfer prefix", "eugo-transfers",
+                                 self.directions)
+        self.root.hbar(y="prefix", right="mb", height=0.7, color="color",
+                       legend_field="direction", source=self.source)
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
         moved = [(direction, summary[key] / 1e6, color) for direction, key, color in
                  (("host to device", "bytes_h2d", "#f28e2b"),
                   ("device to host", "bytes_d2h", "#4e79a7")) if summary[key]]
-        self.transfers.data = {"prefix": [m[0] for m in moved], "mb": [m[1] for m in moved],
-                               "direction": [m[0] for m in moved], "color": [m[2] for m in moved]}
-        self.transfer_prefixes.factors = [m[0] for m in moved]
+        self.source.data = {"prefix": [m[0] for m in moved], "mb": [m[1] for m in moved],
+                            "direction": [m[0] for m in moved], "color": [m[2] for m in moved]}
+        self.directions.factors = [m[0] for m in moved]
+
+
+class PredictedSeconds(Component):
+    """Predicted vs measured seconds per prefix."""
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource, FactorRange
+        from bokeh.plotting import figure
+
+        self.source = ColumnDataSource({"prefix": [], "predicted": [], "actual": []})
+        self.prefixes = FactorRange()
+        self.root = figure(title="Predicted vs measured seconds, per prefix",
+                           x_range=self.prefixes, height=320, sizing_mode="stretch_width",
+                           toolbar_location=None, name="eugo-seconds")
+        self.root.scatter(x="prefix", y="predicted", size=11, color="#f28e2b",
+                          legend_label="predicted", source=self.source)
+        self.root.scatter(x="prefix", y="actual", size=11, marker="triangle", color="#4e79a7",
+                          legend_label="measured", source=self.source)
+        self.root.xaxis.major_label_orientation = 0.6
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
         prefixes = summary["prefixes"]
         timed = [p for p in prefixes if prefixes[p]["predicted_s"] or prefixes[p]["actual_s"]]
-        self.seconds.data = {"prefix": timed,
-                             "predicted": [prefixes[p]["predicted_s"] for p in timed],
-                             "actual": [prefixes[p]["actual_s"] for p in timed]}
-        self.timed_prefixes.factors = timed
-        runs = list(recent_plans)
-        self.whatif.data = {"run": list(range(1, len(runs) + 1)),
-                            **{k: [r[k] for r in runs] for k in ("all_cpu", "all_gpu", "as_chosen")}}
+        self.source.data = {"prefix": timed,
+                            "predicted": [prefixes[p]["predicted_s"] for p in timed],
+                            "actual": [prefixes[p]["actual_s"] for p in timed]}
+        self.prefixes.factors = timed
+
+
+class WhatIf(Component):
+    """What-if task-seconds (all-CPU, all-GPU, as chosen) of the current and past plans."""
+
+    FIELDS = (("all_cpu", "#5f7f9f"), ("all_gpu", "#e15759"), ("as_chosen", "#76b900"))
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource
+        from bokeh.plotting import figure
+
+        self.source = ColumnDataSource({"run": [], "all_cpu": [], "all_gpu": [], "as_chosen": []})
+        self.root = figure(title="What-if task-seconds per computation", height=320,
+                           sizing_mode="stretch_width", toolbar_location=None, name="eugo-whatif")
+        for field, color in self.FIELDS:
+            self.root.line(x="run", y=field, color=color, line_width=2,
+                           legend_label=field.replace("_", "-"), source=self.source)
+            self.root.scatter(x="run", y=field, color=color, size=7, source=self.source)
+        self.root.xaxis.axis_label = "computation"
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        self.source.data = {"run": list(range(1, len(runs) + 1)),
+                            **{k: [r[k] for r in runs] for k, _ in self.FIELDS}}
+
+
+class Fallbacks(Component):
+    """Fallback reasons and the task prefixes they struck."""
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource
+        from bokeh.models.widgets import DataTable, TableColumn
+
+        self.source = ColumnDataSource({"reason": [], "count": []})
+        self.root = DataTable(source=self.source, height=140, sizing_mode="stretch_width",
+                              columns=[TableColumn(field="reason", title="Fallback reason"),
+                                       TableColumn(field="count", title="Task prefixes")])
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
         reasons = summary["fallback_reasons"]
-        self.fallbacks.data = {"reason": list(reasons),
-                               "count": [", ".join(p) for p in reasons.values()]}
+        self.source.data = {"reason": list(reasons),
+                            "count": [", ".join(p) for p in reasons.values()]}
+
+
+class Summary(Component):
+    """The headline: tasks, bytes, fallbacks, time saved, and the latest warnings (escaped:
+    they hold text of clients and workers)."""
+
+    def __init__(self) -> None:
+        from bokeh.models.widgets import Div
+
+        self.root = Div(text="", name="eugo-summary")
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        gpu, cpu = summary["tasks"].get("gpu", {}), summary["tasks"].get("cpu", {})
         warnings = "".join(f"<li>{escape(w)}</li>" for w in summary["warnings"][-5:])
-        self.summary.text = (
+        self.root.text = (
             f"<h3>eugo</h3><p><b>{sum(gpu.values())}</b> tasks ran on a GPU, "
             f"<b>{sum(cpu.values())}</b> on the CPU; "
             f"<b>{summary['bytes_h2d'] / 1e6:.1f} MB</b> to the device, "
@@ -130,6 +181,45 @@ class EugoDashboard:
             + ".</p>"
             + (f"<ul class='eugo-warnings'>{warnings}</ul>" if warnings else "")
         )
+
+
+class EugoDashboard:
+    """The page: its components, each updated on its own every tick, so a figure whose update
+    fails (logged and counted in ``errors``) leaves the others live."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from bokeh.layouts import column, row
+
+        self.scheduler = scheduler
+        self.errors = 0
+        self.summary = Summary()
+        tasks, copied = TasksByDevice(), BytesCopied()
+        seconds, whatif, fallbacks = PredictedSeconds(), WhatIf(), Fallbacks()
+        self.components: list[Component] = [self.summary, tasks, copied, seconds, whatif,
+                                            fallbacks]
+        self.root = column(
+            self.summary.root,
+            row(tasks.root, copied.root, sizing_mode="stretch_width"),
+            row(seconds.root, whatif.root, sizing_mode="stretch_width"),
+            fallbacks.root,
+            sizing_mode="stretch_width",
+        )
+
+    def update(self) -> None:
+        plugin = self.scheduler.plugins.get("eugo")
+        try:
+            summary = plugin.summary() if plugin is not None else _EMPTY
+        except Exception:  # the plugin's own failure: its counters say so; keep the page
+            self.errors += 1
+            logger.exception("eugo dashboard: reading the plugin's summary failed")
+            return
+        runs = list(recent_plans)
+        for component in self.components:
+            try:
+                component.update(summary, runs)
+            except Exception:
+                self.errors += 1
+                logger.exception("eugo dashboard: updating %s failed", type(component).__name__)
 
 
 _EMPTY: dict[str, Any] = {"tasks": {}, "bytes_h2d": 0, "bytes_d2h": 0, "prefixes": {},

@@ -172,3 +172,23 @@ def test_plugin_error_does_not_break_scheduler_or_metrics(cluster):
     text = get(base + "/metrics")
     assert metric(text, "eugo_plugin_errors_total") == errors
     assert metric(text, "eugo_metrics_errors_total") == 0
+
+
+def test_a_figure_whose_update_fails_leaves_the_others_live(caplog):
+    """Each figure updates on its own: one that fails on a summary it cannot read is logged and
+    counted, and the page's other figures and headline still show the tick's figures."""
+    from types import SimpleNamespace
+
+    from eugo_dask.dashboard import EugoDashboard
+
+    summary = {"tasks": {"gpu": {"eugo-gpu-exp": 3}, "cpu": {"sum": 2}}, "bytes_h2d": 8e6,
+               "bytes_d2h": 1e6, "fallbacks": {}, "fallback_reasons": {}, "warnings": [],
+               "estimated_saved_s": 0.5}  # no "prefixes": the seconds figure cannot update
+    plugin = SimpleNamespace(summary=lambda: summary)
+    page = EugoDashboard(SimpleNamespace(plugins={"eugo": plugin}))
+    page.update()
+    assert page.errors == 1 and "updating PredictedSeconds failed" in caplog.text
+    tasks = next(c for c in page.components if type(c).__name__ == "TasksByDevice")
+    assert tasks.source.data["prefix"] == ["sum", "eugo-gpu-exp"]
+    assert "<b>3</b> tasks ran on a GPU" in page.summary.root.text
+    assert "8.0 MB</b> to the device" in page.summary.root.text

@@ -128,4 +128,4 @@ def test_a_bad_number_from_a_task_is_dropped_and_counted(bad):
         assert sum(samples["eugo_tasks_total"].values()) > 0
         page = EugoDashboard(scheduler)
         page.update()  # the /eugo page's periodic update
-        assert "1</b> worker reports dropped" in page.summary.text
+        assert "1</b> worker reports dropped" in page.summary.root.text and page.errors == 0
