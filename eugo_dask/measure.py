@@ -131,6 +131,38 @@ def cpu_share(seconds: float = 0.05) -> float:
     return min((time.thread_time() - cpu_start) / wall, 1.0)
 
 
+def _runqueue_wait_s() -> float | None:
+    """Seconds this thread has waited for a CPU while runnable (Linux's schedstat), or None
+    where the system does not say. Waiting for a lock (another thread's GIL) or sleeping does
+    not count: only other work the scheduler ran in its place."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class CoreShare:
+    """The share of a core the measuring thread had from its start to :meth:`share`: one minus
+    the time it waited, runnable, for a CPU other work held (schedstat), over the wall time; so
+    contention at any moment of a measurement counts, and a busy thread of this process (which
+    holds the GIL, not the core) does not. Where the system does not say, the lower of two
+    :func:`cpu_share` samples, at the start and at the end."""
+
+    def __init__(self) -> None:
+        self._start, self._waited = time.perf_counter(), _runqueue_wait_s()
+        self._sampled = cpu_share() if self._waited is None else None
+
+    def share(self) -> float:
+        if self._sampled is not None:
+            return min(self._sampled, cpu_share())
+        waited = _runqueue_wait_s()
+        wall = time.perf_counter() - self._start
+        if waited is None or self._waited is None or wall <= 0:
+            return 1.0
+        return max(0.0, 1.0 - (waited - self._waited) / wall)
+
+
 def contention_warning(share: float) -> str | None:
     """A warning where this process had less than :data:`CONTENDED_SHARE` of a core."""
     if share >= CONTENDED_SHARE:
@@ -215,7 +247,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
     if load is not None:
         stable.warnings.append(load)
         progress(f"warning: {load}")
-    share_before = cpu_share()
+    core = CoreShare()
     rng = np.random.default_rng(0)
 
     def rate(name: str, work: float, fn: Callable[[], Any], budget_s: float = 0.4) -> float:
@@ -308,7 +340,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
         "reduction_s_per_element": reduction_table,
         "task_overhead_s": max(overhead, 1e-6),
     }
-    contended = contention_warning(min(share_before, cpu_share()))
+    contended = contention_warning(core.share())
     if contended is not None:
         stable.warnings.append(contended)
         progress(f"warning: {contended}")

@@ -188,6 +188,36 @@ def test_a_core_shared_with_busy_processes_is_noticed():
     assert "of a core while measuring" in measure.contention_warning(share)
 
 
+def test_a_core_taken_only_while_the_rates_are_measured_is_noticed():
+    """Other processes spin on every core from the first rate measured to the last (not
+    during the two short share readings before and after): the probe's rates are low (float64
+    matmul read at a tenth of its idle rate here) and the reading must say so, or
+    cached_local_cpu keeps it for good. (Review of b45f44b: the share is read only at the
+    probe's two ends, so contention between them goes unseen.)"""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spinners: list[subprocess.Popen] = []
+
+    def progress(message: str) -> None:
+        if message == "cpu: matmul":  # after the share read before
+            spinners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                            for _ in range(3 * cores))
+            time.sleep(0.5)
+        elif message.startswith("cpu: per-task overhead"):  # before the share read after
+            for p in spinners:
+                p.kill()
+            for p in spinners:
+                p.wait(timeout=30)
+
+    try:
+        section = measure.measure_cpu(level="probe", progress=progress)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait(timeout=30)
+    assert spinners  # the rates were measured while they spun
+    assert section.get("warnings"), section["matmul_flops_per_s"]
+
+
 def test_a_poisoned_cpu_cache_is_measured_again(tmp_path, monkeypatch):
     # nesting past Python's recursion limit raised RecursionError out of every profile load
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
