@@ -75,10 +75,8 @@ def test_heterogeneous_cluster_places_by_role(tmp_path):
 def test_no_gpu_worker_runs_cpu_path_with_one_warning(tmp_path):
     workers = {"cpu-1": {}, "cpu-2": {}}
     with process_cluster(tmp_path, workers=workers) as (cluster, client):
-        start = time.monotonic()
-        with dask.config.set(SETTINGS):
+        with dask.config.set(SETTINGS):  # never a hang: a result within a minute
             result = client.compute(pipeline()).result(timeout=60)
-        assert time.monotonic() - start < 60
         assert_eq(result, EXPECTED)
         deadline = time.monotonic() + 10  # the pass's warning reaches the plugin as an event
         while not plugin_summary(client)["warnings"] and time.monotonic() < deadline:
