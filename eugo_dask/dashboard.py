@@ -209,9 +209,12 @@ class EugoDashboard:
         plugin = self.scheduler.plugins.get("eugo")
         try:
             summary = plugin.summary() if plugin is not None else _EMPTY
-        except Exception:  # the plugin's own failure: its counters say so; keep the page
+        except Exception:  # the plugin's own failure: say so on the page, keep it serving
             self.errors += 1
             logger.exception("eugo dashboard: reading the plugin's summary failed")
+            self.summary.root.text = ("<h3>eugo</h3><p>The eugo scheduler plugin's summary "
+                                      "could not be read (see the scheduler's log); the figures "
+                                      "below are from the last tick that could.</p>")
             return
         runs = list(recent_plans)
         for component in self.components:

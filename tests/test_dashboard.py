@@ -192,3 +192,17 @@ def test_a_figure_whose_update_fails_leaves_the_others_live(caplog):
     assert tasks.source.data["prefix"] == ["sum", "eugo-gpu-exp"]
     assert "<b>3</b> tasks ran on a GPU" in page.summary.root.text
     assert "8.0 MB</b> to the device" in page.summary.root.text
+
+
+def test_a_summary_that_cannot_be_read_is_said_on_the_page(caplog):
+    from types import SimpleNamespace
+
+    from eugo_dask.dashboard import EugoDashboard
+
+    def broken():
+        raise RuntimeError("the plugin's own bug")
+
+    page = EugoDashboard(SimpleNamespace(plugins={"eugo": SimpleNamespace(summary=broken)}))
+    page.update()
+    assert page.errors == 1 and "summary could not be read" in page.summary.root.text
+    assert "reading the plugin's summary failed" in caplog.text
