@@ -28,7 +28,8 @@ CHROMIUM = shutil.which("chromium")
 def _wait_for_gate(total, name):
     from distributed import Event
 
-    Event(name).wait(timeout=120)
+    if not Event(name).wait(timeout=120):
+        raise TimeoutError(f"the gate {name} was never opened")
     return 1
 
 
