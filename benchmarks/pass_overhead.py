@@ -120,8 +120,10 @@ def random_chain(blocks: int):
     """Random chunks through an elementwise chain into a sum: one fused task per chunk (creation,
     chain, partial sum; plus the alias Dask's fusion leaves under the old key), then the tree."""
     n = blocks * 8
-    a = da.random.default_rng(0).random((n, n), chunks=8)
-    return (np.exp(a) * 2 + a).sum()
+    with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
+        warnings.simplefilter("ignore", PerformanceWarning)
+        a = da.random.default_rng(0).random((n, n), chunks=8)
+        return (np.exp(a) * 2 + a).sum()
 
 
 #: name -> (graph builder, blocks per side: full, quick), submitted to a scheduler.
@@ -137,13 +139,7 @@ def submission(build, blocks: int):
     modes = {"plain": {"optimizations": []}, "plan": eugo_on,
              "rewrite": {**eugo_on, "eugo.min-speedup": 0}}
     for mode, settings in modes.items():
-        yield mode, measure_submission(lambda: _quietly(build, blocks), settings)
-
-
-def _quietly(build, blocks: int):
-    with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
-        warnings.simplefilter("ignore", PerformanceWarning)
-        return build(blocks)
+        yield mode, measure_submission(lambda: build(blocks), settings)
 
 
 def print_submission(shapes: dict[str, int]) -> None:

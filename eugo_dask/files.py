@@ -148,8 +148,9 @@ def write_json_atomic(path: str | os.PathLike[str], data: Any, **dumps: Any) -> 
     target = Path(path)
     text = json.dumps(data, **dumps)
     with _directory_of(target, create=True) as directory:
-        name = target.name if _RELATIVE else str(target)
-        tmp = f"{name[:-len(target.name)]}.{target.name}.{secrets.token_hex(8)}.tmp"
+        tmp_name = f".{target.name}.{secrets.token_hex(8)}.tmp"  # (beside the target)
+        name, tmp = ((target.name, tmp_name) if _RELATIVE
+                     else (str(target), str(target.parent / tmp_name)))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600,
                      dir_fd=directory)
         try:

@@ -95,11 +95,14 @@ class Stability:
             self.retry_budget_s -= time.perf_counter() - start
             extra += 1
         if _spread(rates) > UNSTABLE_SPREAD:
-            message = (f"{name} unstable: {len(rates)} rounds ranged {min(rates):.3g} to "
-                       f"{max(rates):.3g}/s ({max(rates) / min(rates):.1f}x), took the best")
-            self.warnings.append(message)
-            self.progress(f"warning: {message}")
+            self.warn(f"{name} unstable: {len(rates)} rounds ranged {min(rates):.3g} to "
+                      f"{max(rates):.3g}/s ({max(rates) / min(rates):.1f}x), took the best")
         return max(rates)
+
+    def warn(self, message: str) -> None:
+        """Keep ``message`` among the measurement's warnings and say it."""
+        self.warnings.append(message)
+        self.progress(f"warning: {message}")
 
     def summary(self) -> str | None:
         """One line on what was unstable, or None."""
@@ -245,8 +248,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
     stable = Stability(progress, rounds=rounds, retry_budget_s=retry_s)
     load = machine_load_warning()
     if load is not None:
-        stable.warnings.append(load)
-        progress(f"warning: {load}")
+        stable.warn(load)
     core = CoreShare()
     rng = np.random.default_rng(0)
 
@@ -342,8 +344,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
     }
     contended = contention_warning(core.share())
     if contended is not None:
-        stable.warnings.append(contended)
-        progress(f"warning: {contended}")
+        stable.warn(contended)
     if stable.warnings:
         section["warnings"] = stable.warnings
         summary = stable.summary()

@@ -46,6 +46,7 @@ from eugo_dask.config import (
 )
 from eugo_dask.describe import GraphDescription, describe_graph
 from eugo_dask.graph import (
+    EUGO_PREFIXES,
     ChunkInfo,
     Key,
     flatten_keys,
@@ -57,9 +58,6 @@ from eugo_dask.history import ensure_local_timing, expect, get_history
 from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile, load_profile
 from eugo_dask.rewrite import (
-    D2H_PREFIX,
-    GPU_PREFIX,
-    H2D_PREFIX,
     Rewrite,
     annotated_graph,
     rewrite_graph,
@@ -166,7 +164,7 @@ def _may_be_ours(layers: Iterable[Mapping[Key, Any]]) -> bool:
     for mapping in layers:
         names = {key[0] if type(key) is tuple else key for key in mapping}
         candidates = {name for name in names
-                      if isinstance(name, str) and any(p in name for p in _PREFIXES)}
+                      if isinstance(name, str) and any(p in name for p in EUGO_PREFIXES)}
         if not candidates:  # (the common case: no such name)
             continue
         for key in mapping:  # a task of each candidate's
@@ -180,7 +178,6 @@ def _may_be_ours(layers: Iterable[Mapping[Key, Any]]) -> bool:
     return False
 
 
-_PREFIXES = (GPU_PREFIX, H2D_PREFIX, D2H_PREFIX)
 
 
 def _resolved(mapping: Mapping[Key, Any], key: Key) -> Any:

@@ -539,11 +539,10 @@ def _renamed_shuffle(out: Graph, barrier: Task, token: str, renames: dict[Key, K
         parts.append(dep)
         while isinstance(node := out.get(parts[-1]), Alias):  # a transfer fused with its input
             parts.append(node.target)
+    renames[barrier.key] = barrier_key(new_id)
     for part in parts:
         shuffle_ids[part] = (old_id, new_id)
-        if part not in renames:
-            renames[part] = renamed_key(part, token)
-    renames[barrier.key] = barrier_key(new_id)
+        renames.setdefault(part, renamed_key(part, token))
     return parts
 
 

@@ -170,20 +170,34 @@ def test_a_cpu_reading_with_warnings_serves_its_process_only(tmp_path, monkeypat
     assert measure.cached_local_cpu()["measured"] == 3
 
 
+class Spinners:
+    """Processes spinning on every core this process may use, three per core."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.procs += [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                       for _ in range(3 * (cores or 1))]
+        time.sleep(0.5)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
 def test_a_core_shared_with_busy_processes_is_noticed():
     """Other processes spinning on every core this process may use: the share of a core the
     measuring thread gets drops, and a measurement then carries the warning."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                for _ in range(3 * cores)]
+    spinners = Spinners()
     try:
-        time.sleep(0.5)
+        spinners.start()
         share = min(measure.cpu_share(0.3) for _ in range(3))
     finally:
-        for p in spinners:
-            p.kill()
-        for p in spinners:
-            p.wait(timeout=30)
+        spinners.stop()
     assert share < measure.CONTENDED_SHARE
     assert "of a core while measuring" in measure.contention_warning(share)
 
@@ -194,27 +208,19 @@ def test_a_core_taken_only_while_the_rates_are_measured_is_noticed():
     matmul read at a tenth of its idle rate here) and the reading must say so, or
     cached_local_cpu keeps it for good. (Review of b45f44b: the share is read only at the
     probe's two ends, so contention between them goes unseen.)"""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    spinners: list[subprocess.Popen] = []
+    spinners = Spinners()
 
     def progress(message: str) -> None:
         if message == "cpu: matmul":  # after the share read before
-            spinners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                            for _ in range(3 * cores))
-            time.sleep(0.5)
+            spinners.start()
         elif message.startswith("cpu: per-task overhead"):  # before the share read after
-            for p in spinners:
-                p.kill()
-            for p in spinners:
-                p.wait(timeout=30)
+            spinners.stop()
 
     try:
         section = measure.measure_cpu(level="probe", progress=progress)
     finally:
-        for p in spinners:
-            p.kill()
-            p.wait(timeout=30)
-    assert spinners  # the rates were measured while they spun
+        spinners.stop()
+    assert spinners.procs  # the rates were measured while they spun
     assert section.get("warnings"), section["matmul_flops_per_s"]
 
 
