@@ -65,6 +65,7 @@ from eugo_dask.rewrite import (
     written_by_eugo,
 )
 from eugo_dask.runtime import EVENT_TOPIC, PlannedDevice, device_first_use_paid, device_started
+from eugo_dask.schedule import summarize
 from eugo_dask.unfuse import split_mixed_tasks
 from eugo_dask.worker import running_schedulers
 
@@ -646,6 +647,8 @@ def explain(*collections: Any, **settings: Any) -> Plan:
     plan = described.place(current)
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
+    plan.schedule = summarize(described.graph, keys, described.description, plan,
+                              described.profile)
     return plan
 
 

@@ -239,6 +239,9 @@ class Plan:
     host_needed: frozenset[Key] = frozenset()
     #: the copies between host and device the plan makes
     copies: Copies = Copies()
+    #: the plan held against the machine (:class:`eugo_dask.schedule.Summary`): its predicted
+    #: makespan and the lower bound; set by ``explain()``
+    schedule: Any = None
 
     def __iter__(self) -> Iterator[Decision]:
         return iter(self.decisions.values())
@@ -271,6 +274,7 @@ class Plan:
             "min_speedup": self.min_speedup,
             "totals_s": self.totals,
             "copies": self.copies._asdict(),
+            "schedule": self.schedule.to_dict() if self.schedule is not None else None,
             "tasks": [d.to_dict() for d in self],
         }
 
@@ -282,14 +286,18 @@ class Plan:
         return plan_heading(tasks=len(self), profile=self.profile_name, device=self.device,
                             min_speedup=self.min_speedup)
 
+    def _copies(self) -> str:
+        text = copies_text(*self.copies)
+        return text if self.schedule is None else f"{text}\n{self.schedule.text()}"
+
     def __str__(self) -> str:
-        return plan_text(self._heading(), plan_rows(self), self.totals, copies_text(*self.copies))
+        return plan_text(self._heading(), plan_rows(self), self.totals, self._copies())
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
         """The plan as an HTML table by task prefix (Jupyter shows this)."""
-        return plan_html(self._heading(), plan_rows(self), self.totals, copies_text(*self.copies))
+        return plan_html(self._heading(), plan_rows(self), self.totals, self._copies())
 
     def to_html(self) -> str:
         """A standalone HTML page of the plan (``eugo-dask explain --html``)."""

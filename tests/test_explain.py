@@ -167,8 +167,8 @@ def test_the_plan_says_what_it_copies(h200_server):
     assert plan.copies.to_device > 0 and plan.copies.to_device_bytes > 0
     assert plan.copies.to_host == len(plan.host_needed)  # one copy back per result needed
     lines = str(plan).splitlines()
-    assert lines[-2] == copies_text(*plan.copies)
-    assert lines[-2].startswith(f"copies: {plan.copies.to_device} to the device (")
+    assert lines[-3] == copies_text(*plan.copies)  # (then the schedule, then the totals)
+    assert lines[-3].startswith(f"copies: {plan.copies.to_device} to the device (")
     assert json.loads(plan.to_json())["copies"] == plan.copies._asdict()
     assert copies_text(*plan.copies).capitalize() in plan._repr_html_()
 

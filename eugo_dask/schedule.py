@@ -1,0 +1,504 @@
+"""How a plan uses the machine as a whole: a lower bound on a graph's makespan and a simulator
+of placement policies, both on one model of the machine.
+
+The model (:class:`Machine`): ``cpu_threads`` threads that each run one task at a time, and
+``gpus`` devices that each run one kernel at a time and have one link per direction to the host
+(copies take ``latency + bytes / bandwidth`` on it). Every task runs its estimate
+(:class:`~eugo_dask.cost_model.Estimate`): on a thread, its single-thread time (a matmul's
+estimate is BLAS on all of the profile's threads: on one thread it is that many times longer);
+on a device, its device time. A value lives where it was made and is copied once to each other
+place that reads it; outputs end on the host.
+
+- :func:`lower_bound` is what no schedule on the model can beat: the larger of the work each
+  kind of device and link must do and the critical path, with every task free to be split
+  between the CPU and the devices (StarPU's "area + critical path" bound, ``bound.c``). With
+  SciPy it is the linear program over all of it at once (HiGHS); without it, or past
+  ``LP_MAX_TASKS`` tasks, the two parts apart (a smaller, still valid bound).
+- :func:`simulate` list-schedules a graph under a policy, tasks in Dask's own order
+  (:func:`dask.order.order`, as workers take them), each on the resource where it finishes
+  first: ``static`` keeps the plan's placement, ``all-cpu`` and ``all-gpu`` what they say,
+  ``dmda`` chooses per task between the CPU threads and the devices by earliest finish,
+  copies included (StarPU's dmda). Copies run on the links (``copies="link"``) or, as today's
+  copy tasks do when they ask for the GPU resource, in the device's slot (``"slot"``).
+
+Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from dask._task_spec import Alias, GraphNode
+
+from eugo_dask.cost_model import Estimate
+from eugo_dask.describe import GraphDescription
+from eugo_dask.graph import ArraySpec, Key, flatten_keys
+from eugo_dask.ops import GPU
+from eugo_dask.plan import Plan
+from eugo_dask.profile import Profile
+from eugo_dask.report import format_seconds
+
+Policy = Literal["static", "all-cpu", "all-gpu", "dmda"]
+POLICIES: Final[tuple[Policy, ...]] = ("static", "all-cpu", "all-gpu", "dmda")
+CopyMode = Literal["link", "slot"]
+#: Above this many tasks :func:`lower_bound` adds the parts up apart rather than solve the LP.
+LP_MAX_TASKS: Final = 20_000
+
+
+@dataclass(frozen=True)
+class Machine:
+    """CPU threads, GPUs and the link of each GPU, one per direction."""
+
+    cpu_threads: int
+    gpus: int
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    latency_s: float = 0.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.cpu_threads < 1 or self.gpus < 0:
+            raise ValueError(f"a machine has at least one CPU thread and no negative number of "
+                             f"GPUs; got {self.cpu_threads} threads, {self.gpus} GPUs")
+
+    @classmethod
+    def from_profile(cls, profile: Profile, *, cpu_threads: int | None = None, gpus: int = 1,
+                     name: str = "") -> Machine:
+        """The profile's link and CPU threads (or ``cpu_threads``), with ``gpus`` devices."""
+        link = profile.link
+        return cls(cpu_threads or profile.cpu.threads, gpus, link.h2d_bytes_per_s,
+                   link.d2h_bytes_per_s, link.latency_s, name)
+
+    def h2d_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.h2d_bytes_per_s if nbytes else 0.0
+
+    def d2h_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.d2h_bytes_per_s if nbytes else 0.0
+
+
+@dataclass
+class Costs:
+    """A graph as the model sees it, tasks in dependency order: ``cpu_s`` single-thread
+    seconds, ``gpu_s`` device seconds (None: cannot run there), ``nbytes`` of each result,
+    ``deps`` (indices), ``outputs`` (indices whose value must reach the host) and the plan's
+    ``placement`` (True: on the GPU)."""
+
+    keys: list[Key]
+    cpu_s: list[float]
+    gpu_s: list[float | None]
+    nbytes: list[int]
+    deps: list[tuple[int, ...]]
+    outputs: frozenset[int]
+    placement: list[bool]
+    #: Dask's order of the tasks (a rank per task): the order workers take ready tasks in
+    priority: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def from_plan(cls, graph: dict[Key, GraphNode], keys: Any, description: GraphDescription,
+                  plan: Plan, *, cpu_threads: int) -> Costs:
+        """The model of ``graph`` as described and placed; ``cpu_threads``: the threads the
+        profile's estimates assumed (a matmul's CPU estimate is BLAS on all of them)."""
+        from dask.order import order
+
+        estimates = description.estimates
+        resolve = description.resolve
+        index: dict[Key, int] = {}
+        out = cls([], [], [], [], [], frozenset(), [])
+        for key in description.order:
+            node = graph.get(key)
+            if node is None or isinstance(node, Alias):
+                continue
+            est: Estimate | None = estimates.get(key)
+            deps = tuple(sorted({index[resolve(d)] for d in node.dependencies
+                                 if resolve(d) in index}))
+            index[key] = len(out.keys)
+            out.keys.append(key)
+            out.deps.append(deps)
+            if est is None:  # a chunk, a task eugo wrote: on the host, for free
+                spec = description.spec(key)
+                out.cpu_s.append(0.0)
+                out.gpu_s.append(None)
+                out.nbytes.append(spec.nbytes if isinstance(spec, ArraySpec) else 0)
+                out.placement.append(False)
+                continue
+            threads = 1 if est.cpu_parallel else cpu_threads
+            out.cpu_s.append(est.cpu_s * threads)
+            out.gpu_s.append(est.gpu_s if est.gpu_capable and math.isfinite(est.gpu_s)
+                             else None)
+            out.nbytes.append(est.out_bytes)
+            decision = plan.decisions.get(key)
+            out.placement.append(decision is not None and decision.device == GPU)
+        out.outputs = frozenset(index[resolve(k)] for k in flatten_keys(keys)
+                                if resolve(k) in index)
+        ranks = order(graph)
+        out.priority = [ranks.get(k, 0) for k in out.keys]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The lower bound
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound on makespan, ``seconds``, with what binds it: ``parts`` are the busiest
+    each resource would be under the bound's own split (``cpu``, ``gpu``, ``h2d``, ``d2h``) and
+    the critical path (``path``); ``gpu_share`` the share of the device-capable work the
+    bound puts on the devices; ``method`` ``"lp"`` (HiGHS) or ``"parts"``."""
+
+    seconds: float
+    parts: dict[str, float]
+    gpu_share: float
+    method: str
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the bound uses both kinds of device (each gets at least 5% of the work)."""
+        return 0.05 <= self.gpu_share <= 0.95
+
+
+def lower_bound(costs: Costs, machine: Machine) -> Bound:
+    """No schedule of ``costs`` on ``machine`` finishes sooner (see the module docstring)."""
+    if machine.gpus == 0 or not any(g is not None for g in costs.gpu_s):
+        return _parts_bound(costs, machine)
+    if len(costs) <= LP_MAX_TASKS:
+        try:
+            return _lp_bound(costs, machine)
+        except ImportError:
+            pass
+    return _parts_bound(costs, machine)
+
+
+def _critical_path(costs: Costs, machine: Machine) -> float:
+    """The longest chain, each task at its faster device, copies left out."""
+    finish = [0.0] * len(costs)
+    for i, deps in enumerate(costs.deps):
+        gpu = costs.gpu_s[i]
+        fastest = costs.cpu_s[i] if gpu is None or machine.gpus == 0 else min(costs.cpu_s[i], gpu)
+        finish[i] = max((finish[d] for d in deps), default=0.0) + fastest
+    return max(finish, default=0.0)
+
+
+def _parts_bound(costs: Costs, machine: Machine) -> Bound:
+    """The area bound (the work split between threads and devices so both finish together,
+    each task divisible) and the critical path, apart."""
+    fixed = sum(c for c, g in zip(costs.cpu_s, costs.gpu_s) if g is None or machine.gpus == 0)
+    movable = sorted(((c, g) for c, g in zip(costs.cpu_s, costs.gpu_s)
+                      if g is not None and machine.gpus), key=lambda cg: cg[1] / max(cg[0], 1e-300))
+    cpu_load = fixed + sum(c for c, _ in movable)
+    gpu_load = 0.0
+    p, n = machine.cpu_threads, max(machine.gpus, 1)
+    total_gpu = sum(g for _, g in movable) or 1.0
+    for c, g in movable:  # the tasks the devices speed up most go there first
+        if cpu_load / p <= gpu_load / n:
+            break
+        # the fraction f of this task that evens the two: (cpu - f c)/p = (gpu + f g)/n
+        f = min(1.0, (cpu_load / p - gpu_load / n) / (c / p + g / n)) if c / p + g / n else 1.0
+        cpu_load -= f * c
+        gpu_load += f * g
+    path = _critical_path(costs, machine)
+    parts = {"cpu": cpu_load / p, "gpu": gpu_load / n, "h2d": 0.0, "d2h": 0.0, "path": path}
+    return Bound(max(parts.values()), parts, gpu_load / total_gpu if movable else 0.0, "parts")
+
+
+def _lp_bound(costs: Costs, machine: Machine) -> Bound:
+    import numpy as np
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_array
+
+    n = len(costs)
+    p, g_count = machine.cpu_threads, machine.gpus
+    var = 0
+
+    def new(count: int) -> int:
+        nonlocal var
+        start, var = var, var + count
+        return start
+
+    capable = [i for i in range(n) if costs.gpu_s[i] is not None]
+    x_of = {i: new(1) for i in capable}           # share of task i on the devices
+    c0 = new(n)                                   # C_i: when task i finishes
+    t = new(1)                                    # the makespan
+    # the edges across which a copy may be needed: one end may run on a device
+    edges = [(u, v) for v, deps in enumerate(costs.deps) for u in deps
+             if u in x_of or v in x_of]
+    h0, d0 = new(len(edges)), new(len(edges))     # per edge: copied to / from the device
+    moved = sorted({u for u, _ in edges} | (costs.outputs & x_of.keys()))
+    up_of = {u: new(1) for u in moved}             # per value: copied to the device at all
+    down_of = {u: new(1) for u in moved}           # per value: copied back at all
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    rhs: list[float] = []
+
+    def row(terms: Iterable[tuple[int, float]], bound: float) -> None:
+        r = len(rhs)
+        for col, value in terms:
+            rows.append(r)
+            cols.append(col)
+            vals.append(value)
+        rhs.append(bound)
+
+    h2d = [machine.h2d_s(b) for b in costs.nbytes]
+    d2h = [machine.d2h_s(b) for b in costs.nbytes]
+
+    def duration(v: int) -> tuple[list[tuple[int, float]], float]:
+        """dur_v = cpu_v + (gpu_v - cpu_v) x_v, as (terms, constant)."""
+        gpu = costs.gpu_s[v]
+        if gpu is None:
+            return [], costs.cpu_s[v]
+        return [(x_of[v], gpu - costs.cpu_s[v])], costs.cpu_s[v]
+
+    edge_of = {(u, v): e for e, (u, v) in enumerate(edges)}
+    for v, deps in enumerate(costs.deps):
+        terms, const = duration(v)
+        # C_v >= dur_v (a task without inputs) and C_v >= C_u + copy + dur_v for each input
+        row([(c0 + v, -1.0), *terms], -const)
+        for u in deps:
+            e = edge_of.get((u, v))
+            copy = [(h0 + e, h2d[u]), (d0 + e, d2h[u])] if e is not None else []
+            row([(c0 + u, 1.0), (c0 + v, -1.0), *terms, *copy], -const)
+        row([(c0 + v, 1.0), (t, -1.0)], 0.0)
+    for e, (u, v) in enumerate(edges):
+        xu = [(x_of[u], 1.0)] if u in x_of else []
+        xv = [(x_of[v], 1.0)] if v in x_of else []
+        # h_e >= x_v - x_u, d_e >= x_u - x_v; each value's copy is made once however many read it
+        row([(h0 + e, -1.0), *xv, *[(c, -a) for c, a in xu]], 0.0)
+        row([(d0 + e, -1.0), *xu, *[(c, -a) for c, a in xv]], 0.0)
+        row([(h0 + e, 1.0), (up_of[u], -1.0)], 0.0)
+        row([(d0 + e, 1.0), (down_of[u], -1.0)], 0.0)
+    for u in costs.outputs & x_of.keys():
+        row([(x_of[u], 1.0), (down_of[u], -1.0)], 0.0)
+    # the work of each kind of resource: sum cpu (1 - x) <= p T, sum gpu x <= G T, links
+    row([*[(x_of[i], -costs.cpu_s[i]) for i in capable], (t, -float(p))], -sum(costs.cpu_s))
+    row([*[(x_of[i], costs.gpu_s[i] or 0.0) for i in capable], (t, -float(g_count))], 0.0)
+    row([*[(up_of[u], h2d[u]) for u in moved], (t, -float(g_count))], 0.0)
+    row([*[(down_of[u], d2h[u]) for u in moved], (t, -float(g_count))], 0.0)
+
+    objective = np.zeros(var)
+    objective[t] = 1.0
+    upper = np.full(var, np.inf)
+    for i in x_of.values():
+        upper[i] = 1.0
+    matrix = coo_array((vals, (rows, cols)), shape=(len(rhs), var)).tocsr()
+    result = linprog(objective, A_ub=matrix, b_ub=np.asarray(rhs),
+                     bounds=np.column_stack([np.zeros(var), upper]), method="highs")
+    if result.status != 0:  # (not expected: the all-CPU schedule is feasible)
+        return _parts_bound(costs, machine)
+    x = result.x
+    share = {i: float(x[x_of[i]]) for i in capable}
+    gpu_work = sum((costs.gpu_s[i] or 0.0) * share[i] for i in capable)
+    # the copies the split itself needs (the LP's own copy variables may sit anywhere below T)
+    up = dict.fromkeys(moved, 0.0)
+    down = {u: share.get(u, 0.0) if u in costs.outputs else 0.0 for u in moved}
+    for u, v in edges:
+        up[u] = max(up[u], share.get(v, 0.0) - share.get(u, 0.0))
+        down[u] = max(down[u], share.get(u, 0.0) - share.get(v, 0.0))
+    parts = {
+        "cpu": (sum(costs.cpu_s) - sum(costs.cpu_s[i] * share[i] for i in capable)) / p,
+        "gpu": gpu_work / g_count,
+        "h2d": sum(h2d[u] * up[u] for u in moved) / g_count,
+        "d2h": sum(d2h[u] * down[u] for u in moved) / g_count,
+        "path": _critical_path(costs, machine),
+    }
+    total_gpu = sum(costs.gpu_s[i] or 0.0 for i in capable) or 1.0
+    # (the LP's makespan is at least every part; the path part is the copy-free chain)
+    return Bound(max(float(result.fun), *parts.values()), parts, gpu_work / total_gpu, "lp")
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    """A simulated run: its ``makespan_s``; ``busy`` seconds of each kind of resource summed
+    over its units (``cpu``, ``gpu``, ``h2d``, ``d2h``); ``gpu_tasks`` run on a device."""
+
+    policy: str
+    makespan_s: float
+    busy: dict[str, float]
+    gpu_tasks: int
+    machine: Machine
+
+    def busy_fraction(self, kind: str) -> float:
+        """How busy the ``kind`` units were over the makespan, 0 to 1."""
+        units = self.machine.cpu_threads if kind == "cpu" else self.machine.gpus
+        span = self.makespan_s * units
+        return self.busy[kind] / span if span > 0 else 0.0
+
+
+class _Run:
+    """The state of one simulation: when each unit is next free, where each value is."""
+
+    def __init__(self, costs: Costs, machine: Machine, copies: CopyMode) -> None:
+        self.costs, self.machine, self.copies = costs, machine, copies
+        self.threads = [0.0] * machine.cpu_threads  # a heap of the threads' free times
+        g = machine.gpus
+        self.gpu_free, self.up_free, self.down_free = [0.0] * g, [0.0] * g, [0.0] * g
+        n = len(costs)
+        self.on_host: list[float | None] = [None] * n  # when the value is there
+        self.on_gpu: list[dict[int, float]] = [{} for _ in range(n)]
+        self.busy = {"cpu": 0.0, "gpu": 0.0, "h2d": 0.0, "d2h": 0.0}
+        self.gpu_tasks = 0
+
+    def _down(self, u: int, commit: bool, slots: list[float], down: list[float]) -> float:
+        """When value ``u`` is on the host, copying it back from its device if need be."""
+        ready = self.on_host[u]
+        if ready is not None:
+            return ready
+        g, made = min(self.on_gpu[u].items(), key=lambda item: item[1])
+        lane = slots if self.copies == "slot" else down
+        seconds = self.machine.d2h_s(self.costs.nbytes[u])
+        start = max(made, lane[g])
+        lane[g] = start + seconds
+        if commit:
+            self.on_host[u] = start + seconds
+            self.busy["d2h"] += seconds
+        return start + seconds
+
+    def cpu_finish(self, i: int, commit: bool) -> float:
+        slots, down = list(self.gpu_free), list(self.down_free)
+        ready = max((self._down(d, commit, slots, down) for d in self.costs.deps[i]),
+                    default=0.0)
+        start = max(ready, self.threads[0])
+        end = start + self.costs.cpu_s[i]
+        if commit:
+            self.gpu_free, self.down_free = slots, down
+            heapq.heapreplace(self.threads, end)
+            self.on_host[i] = end
+            self.busy["cpu"] += self.costs.cpu_s[i]
+        return end
+
+    def gpu_finish(self, i: int, g: int, commit: bool) -> float:
+        gpu_s = self.costs.gpu_s[i]
+        assert gpu_s is not None
+        slots, up, down = list(self.gpu_free), list(self.up_free), list(self.down_free)
+        lane = slots if self.copies == "slot" else up
+        ready = 0.0
+        for d in self.costs.deps[i]:
+            there = self.on_gpu[d].get(g)
+            if there is None:
+                host = self._down(d, commit, slots, down)
+                seconds = self.machine.h2d_s(self.costs.nbytes[d])
+                start = max(host, lane[g])
+                there = lane[g] = start + seconds
+                if commit:
+                    self.on_gpu[d][g] = there
+                    self.busy["h2d"] += seconds
+            ready = max(ready, there)
+        start = max(ready, slots[g])
+        end = slots[g] = start + gpu_s
+        if commit:
+            self.gpu_free, self.up_free, self.down_free = slots, up, down
+            self.on_gpu[i][g] = end
+            self.busy["gpu"] += gpu_s
+            self.gpu_tasks += 1
+        return end
+
+    def best_gpu(self, i: int) -> tuple[float, int]:
+        return min((self.gpu_finish(i, g, False), g) for g in range(self.machine.gpus))
+
+
+def simulate(costs: Costs, machine: Machine, policy: Policy, *,
+             copies: CopyMode = "link") -> Schedule:
+    """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring)."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    run = _Run(costs, machine, copies)
+    order: Sequence[int] = sorted(range(len(costs)), key=lambda i: (costs.priority[i], i)) \
+        if costs.priority else range(len(costs))
+    order = _dependencies_first(order, costs.deps)
+    gpus = machine.gpus > 0
+    for i in order:
+        capable = gpus and costs.gpu_s[i] is not None
+        if policy == "dmda" and capable:
+            gpu_end, g = run.best_gpu(i)
+            if gpu_end < run.cpu_finish(i, False):
+                run.gpu_finish(i, g, True)
+            else:
+                run.cpu_finish(i, True)
+        elif capable and (policy == "all-gpu" or (policy == "static" and costs.placement[i])):
+            run.gpu_finish(i, run.best_gpu(i)[1], True)
+        else:
+            run.cpu_finish(i, True)
+    for u in costs.outputs:  # outputs end on the host
+        run._down(u, True, run.gpu_free, run.down_free)
+    ends = [*run.threads, *run.gpu_free, *run.up_free, *run.down_free]
+    return Schedule(policy, max(ends, default=0.0), run.busy, run.gpu_tasks, machine)
+
+
+def _dependencies_first(order: Sequence[int], deps: list[tuple[int, ...]]) -> list[int]:
+    """``order``, with any task that comes before one of its inputs moved after it."""
+    done = [False] * len(deps)
+    out: list[int] = []
+
+    def visit(i: int) -> None:
+        stack = [i]
+        while stack:
+            j = stack[-1]
+            pending = [d for d in deps[j] if not done[d]]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            if not done[j]:
+                done[j] = True
+                out.append(j)
+
+    for i in order:
+        if not done[i]:
+            visit(i)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What explain() shows
+# ---------------------------------------------------------------------------------------------
+#: explain() simulates graphs up to this many tasks (Dask's ordering alone takes seconds past it)
+SIMULATE_MAX_TASKS: Final = 100_000
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A plan held against the machine: the ``bound`` and the plan's ``predicted`` schedule
+    (policy ``static``, copies as the run makes them) on ``machine``."""
+
+    machine: Machine
+    costs: Costs
+    bound: Bound
+    predicted: Schedule
+
+    def text(self) -> str:
+        m, b, s = self.machine, self.bound, self.predicted
+        ratio = s.makespan_s / b.seconds if b.seconds > 0 else 1.0
+        binding = max(b.parts, key=lambda k: b.parts[k])
+        return (f"on {m.cpu_threads} CPU threads and {m.gpus} GPU (the profile's machine): "
+                f"predicted makespan {format_seconds(s.makespan_s)}, lower bound "
+                f"{format_seconds(b.seconds)} ({ratio:.2f}x; bound by {binding}, "
+                f"{b.gpu_share:.0%} of the device-capable work on the GPU); busy "
+                f"CPU {s.busy_fraction('cpu'):.0%}, GPU {s.busy_fraction('gpu'):.0%}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_threads": self.machine.cpu_threads, "gpus": self.machine.gpus,
+                "predicted_s": self.predicted.makespan_s, "bound_s": self.bound.seconds,
+                "bound_method": self.bound.method, "bound_parts_s": dict(self.bound.parts),
+                "mixed": self.bound.mixed,
+                "busy": {kind: self.predicted.busy_fraction(kind) for kind in ("cpu", "gpu")}}
+
+
+def summarize(graph: dict[Key, GraphNode], keys: Any, description: GraphDescription, plan: Plan,
+              profile: Profile, *, copies: CopyMode = "slot") -> Summary | None:
+    """The plan on the profile's machine (its threads, one GPU), or None past
+    :data:`SIMULATE_MAX_TASKS` tasks."""
+    if len(graph) > SIMULATE_MAX_TASKS:
+        return None
+    machine = Machine.from_profile(profile, gpus=1)
+    costs = Costs.from_plan(graph, keys, description, plan, cpu_threads=profile.cpu.threads)
+    return Summary(machine, costs, lower_bound(costs, machine),
+                   simulate(costs, machine, "static", copies=copies))

@@ -1,0 +1,135 @@
+"""The machine model: the lower bound on makespan and the simulator of placement policies."""
+
+from __future__ import annotations
+
+import math
+
+import dask
+import dask.array as da
+import pytest
+
+from eugo_dask import explain
+from eugo_dask.schedule import POLICIES, Costs, Machine, lower_bound, simulate
+
+pytest.importorskip("scipy")  # the LP bound (the test extra has SciPy)
+
+GB = 1e9
+#: one GPU, a link of 1 GB/s each way and no latency: copies take bytes / 1e9 seconds
+ONE_GPU = Machine(cpu_threads=2, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+
+
+def costs(cpu: list[float], gpu: list[float | None], deps: list[tuple[int, ...]], *,
+          nbytes: list[int] | None = None, outputs: set[int] | None = None,
+          placement: list[bool] | None = None) -> Costs:
+    n = len(cpu)
+    return Costs(keys=[f"t-{i}" for i in range(n)], cpu_s=cpu, gpu_s=gpu,
+                 nbytes=nbytes or [0] * n, deps=deps,
+                 outputs=frozenset(outputs if outputs is not None else {n - 1}),
+                 placement=placement or [False] * n)
+
+
+def test_a_chain_is_bound_by_its_path_at_the_faster_device():
+    c = costs([1.0, 1.0, 1.0], [0.25, None, 0.5], [(), (0,), (1,)])
+    bound = lower_bound(c, ONE_GPU)
+    assert bound.parts["path"] == pytest.approx(0.25 + 1.0 + 0.5)
+    assert bound.seconds >= 1.75 - 1e-9
+
+
+def test_independent_tasks_split_so_both_kinds_finish_together():
+    # 6 tasks of 1 s on a thread or 0.5 s on the device; 2 threads, 1 GPU: a task's rate is 1/s
+    # per thread, 2/s on the device, so the split gives the device half: 6 / (2 + 2) = 1.5 s
+    c = costs([1.0] * 6, [0.5] * 6, [()] * 6, outputs=set())
+    for bound in (lower_bound(c, ONE_GPU), _parts(c, ONE_GPU)):
+        assert bound.seconds == pytest.approx(1.5)
+        assert bound.gpu_share == pytest.approx(0.5)
+        assert bound.mixed
+
+
+def _parts(c: Costs, machine: Machine):
+    from eugo_dask.schedule import _parts_bound
+    return _parts_bound(c, machine)
+
+
+def test_the_lp_counts_the_copies_the_split_needs():
+    # a host chunk of 4 GB feeds a task 10x faster on the device; the copy (4 s) costs more
+    # than the CPU time saved (2 s - 0.2 s): the LP keeps the task on the CPU, the parts bound
+    # (which ignores copies) does not see it
+    c = costs([0.0, 2.0], [None, 0.2], [(), (0,)], nbytes=[4 * 10**9, 8], outputs={1})
+    lp, parts = lower_bound(c, ONE_GPU), _parts(c, ONE_GPU)
+    assert lp.method == "lp"
+    assert lp.seconds > parts.seconds
+    assert lp.seconds == pytest.approx(2.0, rel=1e-6)
+    assert simulate(c, ONE_GPU, "all-gpu").makespan_s == pytest.approx(4.0 + 0.2, rel=1e-6)
+
+
+def test_copies_in_the_device_slot_serialise_with_kernels():
+    # two independent GPU tasks, each reading its own 1 GB host chunk: on the links the second
+    # copy overlaps the first kernel; in the slot it waits for it
+    c = costs([0.0, 0.0, 5.0, 5.0], [None, None, 1.0, 1.0], [(), (), (0,), (1,)],
+              nbytes=[10**9, 10**9, 0, 0], outputs={2, 3}, placement=[False, False, True, True])
+    link = simulate(c, ONE_GPU, "static", copies="link")
+    slot = simulate(c, ONE_GPU, "static", copies="slot")
+    assert link.makespan_s == pytest.approx(3.0)   # copy 1, kernel 1 || copy 2, kernel 2
+    assert slot.makespan_s == pytest.approx(4.0)   # copy, kernel, copy, kernel
+    assert link.gpu_tasks == slot.gpu_tasks == 2
+
+
+def test_dmda_uses_both_kinds_where_the_static_plan_idles_the_cpu():
+    # every task 2x faster on the device, all placed there: the two threads idle
+    c = costs([1.0] * 8, [0.5] * 8, [()] * 8, outputs=set(), placement=[True] * 8)
+    static, dmda = simulate(c, ONE_GPU, "static"), simulate(c, ONE_GPU, "dmda")
+    assert static.makespan_s == pytest.approx(4.0)
+    assert dmda.makespan_s == pytest.approx(2.0)
+    assert 0 < dmda.gpu_tasks < 8
+    assert dmda.busy_fraction("cpu") == pytest.approx(1.0)
+    assert lower_bound(c, ONE_GPU).seconds == pytest.approx(2.0)
+
+
+def test_an_unknown_policy_is_refused_with_the_allowed_ones():
+    c = costs([1.0], [None], [()])
+    with pytest.raises(ValueError, match="static, all-cpu, all-gpu, dmda; got 'fastest'"):
+        simulate(c, ONE_GPU, "fastest")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("machine", [
+    Machine(cpu_threads=16, gpus=1, h2d_bytes_per_s=8.3e9, d2h_bytes_per_s=4.0e9,
+            latency_s=1e-5),
+    Machine(cpu_threads=4, gpus=3, h2d_bytes_per_s=8.3e9, d2h_bytes_per_s=4.0e9,
+            latency_s=1e-5),
+])
+def test_no_policy_beats_the_bound_on_real_plans(machine):
+    """Every simulated schedule of real graphs' plans takes at least the bound."""
+    x = da.random.random((2048, 2048), chunks=512).astype("float32")
+    graphs = [da.exp(da.sin(x @ x)).mean(), (x * 2 + 1).sum(axis=0),
+              x.map_overlap(lambda b: b * 2, depth=1, boundary="none").std()]
+    for graph in graphs:
+        c = _model(graph)
+        bound = lower_bound(c, machine)
+        assert bound.method == "lp" and bound.seconds > 0
+        for policy in POLICIES:
+            for copies in ("link", "slot"):
+                made = simulate(c, machine, policy, copies=copies)
+                assert made.makespan_s >= bound.seconds * (1 - 1e-6), (policy, copies)
+
+
+def _model(collection) -> Costs:
+    with dask.config.set({"eugo.profile": "h200", "eugo.device": "none"}):
+        plan = explain(collection)
+    assert plan.schedule is not None
+    return plan.schedule.costs
+
+
+def test_explain_says_the_bound_and_the_predicted_makespan():
+    x = da.random.random((2048, 2048), chunks=512).astype("float32")
+    with dask.config.set({"eugo.profile": "h200", "eugo.device": "none"}):
+        plan = explain(da.exp(da.sin(x @ x)).mean())
+    summary = plan.schedule
+    assert summary is not None
+    assert summary.predicted.makespan_s >= summary.bound.seconds > 0
+    # (today's copy tasks ask for the GPU resource: they run in the device's slot)
+    assert math.isclose(summary.predicted.makespan_s,
+                        simulate(summary.costs, summary.machine, "static",
+                                 copies="slot").makespan_s)
+    text = str(plan)
+    assert "lower bound" in text and "predicted makespan" in text
+    assert plan.to_dict()["schedule"]["bound_s"] == pytest.approx(summary.bound.seconds)
