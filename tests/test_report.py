@@ -126,3 +126,12 @@ def test_a_real_plan_reads_as_rows_of_its_decisions(emulated):
     text = str(plan)
     for row in rows:
         assert any(line.startswith(row.prefix[:28]) for line in text.splitlines())
+
+
+def test_the_html_caption_keeps_the_copies_units():
+    """The HTML caption says the copies with their units as the text does: "67.1 MB", not
+    "67.1 mb" (``str.capitalize`` lowercases all but the first letter: megabits... millibits).
+    FAILS on the code as it is: a bug found writing this file, left for report.py's owner."""
+    copies = copies_text(16, 67_108_864, 16, 65_536)
+    html = plan_html("plan", [], {}, copies)
+    assert "Copies: 16 to the device (67.1 MB), 16 back (65.5 kB)." in html
