@@ -159,7 +159,9 @@ def plan_html(heading: str, rows: list[PlanRow], totals: Mapping[str, float],
         ]
         body.append(f"<tr class='{r.placement}'>{''.join(cells)}</tr>")
     header = "".join(f"<th{' class=l' if h in _LEFT else ''}>{h}</th>" for h in _HTML_COLUMNS)
-    caption = f"{escape(heading)}. {escape(copies.capitalize()) + '. ' if copies else ''}" \
+    # (the first letter capitalised: str.capitalize would lower the units, MB to mb)
+    said = escape(copies[:1].upper() + copies[1:]) + ". " if copies else ""
+    caption = f"{escape(heading)}. {said}" \
               f"What-if task-seconds: {_totals_text(totals)}."
     return (f"<style>{HTML_STYLE}</style><table class='eugo'><caption>{caption}</caption>"
             f"<thead><tr>{header}</tr></thead><tbody>{''.join(body)}</tbody></table>")

@@ -346,6 +346,12 @@ class _Run:
         self.on_gpu: list[dict[int, float]] = [{} for _ in range(n)]
         self.busy = {"cpu": 0.0, "gpu": 0.0, "h2d": 0.0, "d2h": 0.0}
         self.gpu_tasks = 0
+        # the values a task that only the CPU runs reads: made on a device, they come back
+        self.host_read = [False] * n
+        for i, deps in enumerate(costs.deps):
+            if costs.gpu_s[i] is None or not machine.gpus:
+                for d in deps:
+                    self.host_read[d] = True
 
     def _down(self, u: int, commit: bool, slots: list[float], down: list[float]) -> float:
         """When value ``u`` is on the host, copying it back from its device if need be."""
@@ -399,6 +405,13 @@ class _Run:
             self.on_gpu[i][g] = end
             self.busy["gpu"] += gpu_s
             self.gpu_tasks += 1
+        if i in self.costs.outputs:  # an output is copied back as soon as it is made
+            back = slots if self.copies == "slot" else down
+            seconds = self.machine.d2h_s(self.costs.nbytes[i])
+            end = back[g] = max(end, back[g]) + seconds
+            if commit:
+                self.on_host[i] = end
+                self.busy["d2h"] += seconds
         return end
 
     def best_gpu(self, i: int) -> tuple[float, int]:
@@ -419,6 +432,8 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
         capable = gpus and costs.gpu_s[i] is not None
         if policy == "dmda" and capable:
             gpu_end, g = run.best_gpu(i)
+            if run.host_read[i] and i not in costs.outputs:  # (an output's copy is counted)
+                gpu_end += machine.d2h_s(costs.nbytes[i])  # the copy back a CPU task needs
             if gpu_end < run.cpu_finish(i, False):
                 run.gpu_finish(i, g, True)
             else:

@@ -228,10 +228,21 @@ def check_joint_plans(out: str) -> None:
     assert all(float(r[5]) <= 1.0 for r in plan + ran if len(r) == 6)
 
 
+def check_makespan(out: str) -> None:
+    """Every graph on both machines under every policy, none below the bound."""
+    rows = [line.split() for line in out.splitlines() if re.search(r" (32c\+1g|8c\+4g) ", line)]
+    assert len(rows) == 8 * 2
+    for row in rows:
+        ratios = [float(cell[:-1]) for cell in row if re.fullmatch(r"\d+\.\d+x", cell)]
+        assert len(ratios) == 5 and min(ratios) >= 1.0, row
+    assert "worst makespan / bound, by policy: static" in out
+
+
 CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
           "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
           "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy,
-          "root_tasks": check_root_tasks, "joint_plans": check_joint_plans}
+          "root_tasks": check_root_tasks, "joint_plans": check_joint_plans,
+          "makespan": check_makespan}
 
 
 def test_benchmark_helpers_refuse_to_come_after_numpy():

@@ -170,7 +170,7 @@ def test_the_plan_says_what_it_copies(h200_server):
     assert lines[-3] == copies_text(*plan.copies)  # (then the schedule, then the totals)
     assert lines[-3].startswith(f"copies: {plan.copies.to_device} to the device (")
     assert json.loads(plan.to_json())["copies"] == plan.copies._asdict()
-    assert copies_text(*plan.copies).capitalize() in plan._repr_html_()
+    assert "Copies: " + copies_text(*plan.copies)[len("copies: "):] in plan._repr_html_()
 
 
 def test_explain_of_nothing_says_what_it_takes():

@@ -1,0 +1,189 @@
+"""Makespan against the lower bound: how each placement policy uses a machine as a whole, in the
+schedule model (:mod:`eugo_dask.schedule`), on graphs a user builds.
+
+For each graph, eugo's plan (``explain()``, profile ``h200`` with the ``server-x86`` CPU: fixed
+figures, the same on every machine) is list-scheduled on two machine shapes with the staged
+copy rates measured on an H200 (8.3 GB/s to the device, 4.0 GB/s back, 10 µs a copy):
+
+- ``32c+1g``: 32 CPU threads and one GPU;
+- ``8c+4g``: 8 CPU threads and four GPUs;
+
+under the policies
+
+- ``static``: today's plan as it runs today, its copy tasks holding the GPU slot (``slot``);
+- ``static-link``: the same placement, copies on links of their own (overlapping kernels);
+- ``all-cpu``, ``all-gpu``: every task on the CPU; every task that can, on a device;
+- ``dmda``: each task, in Dask's order, where it finishes first, copies counted (StarPU's dmda),
+  copies on the links: what run-time dispatch would do with exact estimates.
+
+Each line: the makespan, the lower bound (LP, HiGHS) and their ratio, how busy the CPU threads
+and GPUs were, and whether the bound itself uses both kinds of device (``mixed``). This is the
+model's arithmetic, not a run: it says what a policy can gain before it is built, and the timed
+emulated cluster (a run on real workers with these durations) is what checks a built one.
+
+    python benchmarks/makespan.py                  # the sizes below
+    python benchmarks/makespan.py --quick          # a quarter of the data, chunks as large
+    python benchmarks/makespan.py --json out.json  # also one record per graph x machine x policy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _common
+import dask
+import dask.array as da
+import numpy as np
+
+from eugo_dask import explain
+from eugo_dask.schedule import Costs, Machine, lower_bound, simulate
+
+PROFILE = {"base": "h200", "cpu": "server-x86"}
+LINK = {"h2d_bytes_per_s": 8.3e9, "d2h_bytes_per_s": 4.0e9, "latency_s": 1e-5}
+MACHINES = [Machine(cpu_threads=32, gpus=1, name="32c+1g", **LINK),
+            Machine(cpu_threads=8, gpus=4, name="8c+4g", **LINK)]
+#: (label, policy, copies)
+POLICIES = [("static", "static", "slot"), ("static-link", "static", "link"),
+            ("all-cpu", "all-cpu", "link"), ("all-gpu", "all-gpu", "link"),
+            ("dmda", "dmda", "link")]
+
+
+def graphs(scale: int, store: str) -> dict[str, Callable[[], Any]]:
+    """Each graph built when called; ``scale`` 1 for the full sizes, 2 for a quarter of them."""
+    rng = da.random.default_rng(0)
+
+    def matmul_mean() -> Any:
+        n = 8192 // scale
+        a = rng.random((n, n), chunks=1024, dtype=np.float32)
+        return da.exp(da.sin(a @ a)).mean()
+
+    def seed_elementwise() -> Any:
+        n = 16384 // scale
+        x = rng.random((n, 2 * n), chunks=2048, dtype=np.float32)
+        return da.exp(-x * x) * da.sin(x)
+
+    def fft_projection() -> Any:
+        n = 8192 // scale
+        x = rng.random((n, 4096), chunks=(1024, 4096), dtype=np.float32)
+        spectrum = da.fft.rfft(x, axis=1)
+        low = spectrum[:, :1024]
+        filtered = da.fft.irfft(low, n=2048, axis=1).astype(np.float32)
+        basis = rng.random((2048, 256), chunks=(2048, 256), dtype=np.float32)
+        return (filtered @ basis).std(axis=0)
+
+    def stencil() -> Any:
+        n = 16384 // scale
+        x = rng.random((n, n), chunks=2048, dtype=np.float32)
+        smooth = x.map_overlap(lambda b: (b[:-2, 1:-1] + b[2:, 1:-1] + b[1:-1, :-2]
+                                          + b[1:-1, 2:]) * 0.25,
+                               depth=1, boundary="none", trim=False,
+                               chunks=(2046, 2046), dtype=np.float32)
+        return da.sqrt(smooth * smooth + 1).sum(axis=0)
+
+    def anomaly() -> Any:
+        days = 3600 // scale
+        field = rng.random((days, 180, 360), chunks=(days // 10, 180, 360), dtype=np.float32)
+        years = field.reshape(10, days // 10, 180, 360)
+        climatology = years.mean(axis=0)
+        return (years - climatology).std(axis=(0, 1))
+
+    def tensordot_chain() -> Any:
+        n = 4096 // scale
+        a = rng.random((n, n), chunks=512, dtype=np.float32)
+        b = rng.random((n, n), chunks=512, dtype=np.float32)
+        return da.tanh(da.tensordot(da.tensordot(a, b, axes=1), a, axes=1)).sum()
+
+    def zarr_read() -> Any:
+        return (da.log1p(da.from_zarr(store) ** 2) * 3).mean(axis=0)
+
+    def tall_skinny_qr() -> Any:
+        rows = 2**21 // scale
+        x = rng.random((rows, 128), chunks=(rows // 32, 128), dtype=np.float32)
+        q, r = da.linalg.qr(x)
+        return (q * 2).sum(axis=0) + r.sum()
+
+    return {"matmul exp/sin mean": matmul_mean, "seed elementwise": seed_elementwise,
+            "rfft low-pass matmul std": fft_projection, "map_overlap stencil": stencil,
+            "groupby anomaly std": anomaly, "tensordot chain": tensordot_chain,
+            "zarr read transform mean": zarr_read, "tall-skinny QR": tall_skinny_qr}
+
+
+def zarr_store(directory: str, scale: int) -> str:
+    """An 8192² float32 zarr array (a quarter of it with ``scale`` 2) in 1024² chunks."""
+    n = 8192 // scale
+    path = f"{directory}/field.zarr"
+    da.random.default_rng(2).random((n, n), chunks=1024, dtype=np.float32).to_zarr(path)
+    return path
+
+
+def costs_of(collection: Any) -> Costs:
+    with dask.config.set({"eugo.profile": PROFILE, "eugo.device": "none"}):
+        plan = explain(collection)
+    if plan.schedule is None:
+        raise SystemExit(f"{len(plan)} tasks: more than explain() simulates")
+    return plan.schedule.costs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a quarter of the data")
+    parser.add_argument("--json", metavar="FILE", help="write one record per line set")
+    args = _common.parse_args(parser, argv)
+    scale = 2 if args.quick else 1
+    records: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as directory:
+        built = graphs(scale, zarr_store(directory, scale))
+        print(f"{'graph':<26} {'machine':<7} {'tasks':>6} {'bound':>9} {'mixed':>5}  "
+              + "  ".join(f"{label:>17}" for label, _, _ in POLICIES))
+        for name, build in built.items():
+            start = time.perf_counter()
+            costs = costs_of(build())
+            for machine in MACHINES:
+                bound = lower_bound(costs, machine)
+                cells = []
+                for label, policy, copies in POLICIES:
+                    run = simulate(costs, machine, policy, copies=copies)  # type: ignore[arg-type]
+                    ratio = run.makespan_s / bound.seconds
+                    cells.append(f"{run.makespan_s * 1e3:8.1f} ms {ratio:5.2f}x")
+                    records.append({
+                        "graph": name, "machine": machine.name, "policy": label,
+                        "makespan_s": run.makespan_s, "bound_s": bound.seconds,
+                        "mixed": bound.mixed, "bound_method": bound.method,
+                        "busy_cpu": run.busy_fraction("cpu"),
+                        "busy_gpu": run.busy_fraction("gpu"), "gpu_tasks": run.gpu_tasks,
+                        "tasks": len(costs)})
+                print(f"{name[:26]:<26} {machine.name:<7} {len(costs):>6} "
+                      f"{bound.seconds * 1e3:6.1f} ms {'yes' if bound.mixed else 'no':>5}  "
+                      + "  ".join(cells), flush=True)
+            print(f"{'':<26} (planned and simulated in {time.perf_counter() - start:.1f} s)")
+    _summary(records)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(records, out, indent=1)
+
+
+def _summary(records: list[dict[str, Any]]) -> None:
+    """The worst ratio to the bound of each policy, and dmda against static where mixed."""
+    print("\nworst makespan / bound, by policy:", ", ".join(
+        f"{label} {max(r['makespan_s'] / r['bound_s'] for r in records if r['policy'] == label):.2f}x"
+        for label, _, _ in POLICIES))
+    key = {(r["graph"], r["machine"], r["policy"]): r for r in records}
+    mixed = [(g, m) for (g, m, p), r in key.items() if p == "dmda" and r["mixed"]]
+    if mixed:
+        gains = [key[(g, m, "static")]["makespan_s"] / key[(g, m, "dmda")]["makespan_s"]
+                 for g, m in mixed]
+        print(f"where the bound uses both kinds of device ({len(mixed)} graph x machine): "
+              f"static / dmda from {min(gains):.2f}x to {max(gains):.2f}x")
+    overlap = [key[(g, m, "static")]["makespan_s"] / key[(g, m, "static-link")]["makespan_s"]
+               for (g, m, p) in key if p == "static"]
+    print(f"copies on links of their own, same placement: static / static-link from "
+          f"{min(overlap):.2f}x to {max(overlap):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
