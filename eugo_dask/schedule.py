@@ -318,13 +318,15 @@ def _lp_bound(costs: Costs, machine: Machine) -> Bound:
 @dataclass(frozen=True)
 class Schedule:
     """A simulated run: its ``makespan_s``; ``busy`` seconds of each kind of resource summed
-    over its units (``cpu``, ``gpu``, ``h2d``, ``d2h``); ``gpu_tasks`` run on a device."""
+    over its units (``cpu``, ``gpu``, ``h2d``, ``d2h``); ``gpu_tasks`` run on a device;
+    ``assignment``: where each task ran (-1: a CPU thread; else the GPU's number)."""
 
     policy: str
     makespan_s: float
     busy: dict[str, float]
     gpu_tasks: int
     machine: Machine
+    assignment: tuple[int, ...] = ()
 
     def busy_fraction(self, kind: str) -> float:
         """How busy the ``kind`` units were over the makespan, 0 to 1."""
@@ -346,6 +348,7 @@ class _Run:
         self.on_gpu: list[dict[int, float]] = [{} for _ in range(n)]
         self.busy = {"cpu": 0.0, "gpu": 0.0, "h2d": 0.0, "d2h": 0.0}
         self.gpu_tasks = 0
+        self.assignment = [-1] * n
         # the values a task that only the CPU runs reads: made on a device, they come back
         self.host_read = [False] * n
         for i, deps in enumerate(costs.deps):
@@ -405,6 +408,7 @@ class _Run:
             self.on_gpu[i][g] = end
             self.busy["gpu"] += gpu_s
             self.gpu_tasks += 1
+            self.assignment[i] = g
         if i in self.costs.outputs:  # an output is copied back as soon as it is made
             back = slots if self.copies == "slot" else down
             seconds = self.machine.d2h_s(self.costs.nbytes[i])
@@ -445,7 +449,8 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
     for u in costs.outputs:  # outputs end on the host
         run._down(u, True, run.gpu_free, run.down_free)
     ends = [*run.threads, *run.gpu_free, *run.up_free, *run.down_free]
-    return Schedule(policy, max(ends, default=0.0), run.busy, run.gpu_tasks, machine)
+    return Schedule(policy, max(ends, default=0.0), run.busy, run.gpu_tasks, machine,
+                    tuple(run.assignment))
 
 
 def _dependencies_first(order: Sequence[int], deps: list[tuple[int, ...]]) -> list[int]:

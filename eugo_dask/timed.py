@@ -1,0 +1,162 @@
+"""The timed emulated cluster: a schedule of the model (:mod:`eugo_dask.schedule`) run on a real
+distributed scheduler and real workers, every task taking its estimated time, so a 2-core machine
+times a plan as if it had N CPU threads and G GPUs.
+
+Each task of the graph becomes a task that sleeps (the GIL released: threads overlap as a
+machine's cores do) for its estimate times ``dilation``: its CPU time on the CPU worker, which has
+``cpu_threads`` threads; its device time on GPU worker ``g`` (one per GPU, a ``GPU`` resource of 1:
+one kernel at a time). Copies are tasks of their own that sleep ``latency + bytes / bandwidth``:
+
+- ``copies="link"``: on the GPU worker's link, one per direction (resources ``UP`` and ``DOWN``
+  of 1), beside the kernel;
+- ``copies="slot"``: holding the worker's ``GPU`` resource, as eugo's copy tasks do today.
+
+Where each task runs is the simulated schedule's ``assignment`` (a CPU thread, or GPU ``g``), set
+as worker restrictions; the order is distributed's own (Dask's priorities). What comes back is
+the makespan the scheduler achieved, from the first task's start to the last one's end, divided
+by ``dilation``: comparable with :func:`~eugo_dask.schedule.simulate`'s and the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dask._task_spec import Task, TaskRef
+from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+from eugo_dask.schedule import Costs, CopyMode, Machine, Schedule
+
+#: the resources of a GPU worker: one kernel, one copy each way at a time
+GPU_WORKER_RESOURCES = {"GPU": 1, "UP": 1, "DOWN": 1}
+#: the key (and layer) of the task that gathers the outputs
+DONE = "timed-done"
+
+
+def _sleep(seconds: float, *inputs: Any) -> int:
+    time.sleep(seconds)
+    return 0
+
+
+@dataclass(frozen=True)
+class TimedRun:
+    """A schedule run on the timed cluster: ``makespan_s`` (model seconds: wall seconds over
+    ``dilation``), and how many tasks and copies ran."""
+
+    makespan_s: float
+    tasks: int
+    copies: int
+    dilation: float
+
+
+def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation: float,
+                copies: CopyMode, cpu_worker: str, gpu_workers: list[str]
+                ) -> tuple[HighLevelGraph, str]:
+    """The sleeping graph of ``schedule`` and its one output key (see the module docstring)."""
+    where = schedule.assignment
+    layers: dict[str, dict[str, Task]] = {}
+    annotations: dict[str, dict[str, Any]] = {}
+
+    def add(layer: str, key: str, task: Task, restriction: dict[str, Any]) -> None:
+        if layer not in layers:
+            layers[layer], annotations[layer] = {}, restriction
+        layers[layer][key] = task
+
+    def down(u: int) -> str:
+        """The copy of value ``u`` back to the host, made once."""
+        g = where[u]
+        key = f"down-{u}"
+        if key not in layers.get(f"down-{g}", {}):
+            seconds = machine.d2h_s(costs.nbytes[u]) * dilation
+            add(f"down-{g}", key, Task(key, _sleep, seconds, TaskRef(f"task-{u}")),
+                {"workers": [gpu_workers[g]], "allow_other_workers": False,
+                 "resources": {"GPU" if copies == "slot" else "DOWN": 1}})
+        return key
+
+    def up(u: int, g: int) -> str:
+        """The copy of value ``u`` to GPU ``g``, made once (from the host, or via it)."""
+        key = f"up-{u}-{g}"
+        if key not in layers.get(f"up-{g}", {}):
+            source = f"task-{u}" if where[u] < 0 else down(u)
+            seconds = machine.h2d_s(costs.nbytes[u]) * dilation
+            add(f"up-{g}", key, Task(key, _sleep, seconds, TaskRef(source)),
+                {"workers": [gpu_workers[g]], "allow_other_workers": False,
+                 "resources": {"GPU" if copies == "slot" else "UP": 1}})
+        return key
+
+    for i in range(len(costs)):
+        g = where[i]
+        if g < 0:
+            inputs = [f"task-{u}" if where[u] < 0 else down(u) for u in costs.deps[i]]
+            seconds = costs.cpu_s[i] * dilation
+            layer, restriction = "cpu", {"workers": [cpu_worker], "allow_other_workers": False}
+        else:
+            inputs = [f"task-{u}" if where[u] == g else up(u, g) for u in costs.deps[i]]
+            seconds = (costs.gpu_s[i] or 0.0) * dilation
+            layer, restriction = f"gpu-{g}", {"workers": [gpu_workers[g]],
+                                              "allow_other_workers": False,
+                                              "resources": {"GPU": 1}}
+        key = f"task-{i}"
+        add(layer, key, Task(key, _sleep, seconds, *map(TaskRef, inputs)), restriction)
+    outputs = [f"task-{u}" if where[u] < 0 else down(u) for u in sorted(costs.outputs)]
+    # one task that gathers them (no time of its own), the graph's one output
+    add(DONE, DONE, Task(DONE, _sleep, 0.0, *map(TaskRef, outputs)),
+        {"workers": [cpu_worker], "allow_other_workers": False})
+    graph = HighLevelGraph(
+        {name: MaterializedLayer(tasks, annotations=annotations[name])
+         for name, tasks in layers.items()},
+        {name: set() for name in layers})
+    return graph, DONE
+
+
+async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: float,
+               copies: CopyMode, timeout_s: float) -> TimedRun:
+    from dask.delayed import Delayed
+    from distributed import Client, Scheduler, Worker
+
+    async with Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler:
+        async with Worker(scheduler.address, nthreads=machine.cpu_threads) as cpu, \
+                _gpu_workers(scheduler.address, machine.gpus) as gpus, \
+                Client(scheduler.address, asynchronous=True) as client:
+            graph, done = timed_graph(costs, schedule, machine, dilation=dilation,
+                                         copies=copies, cpu_worker=cpu.address,
+                                         gpu_workers=[w.address for w in gpus])
+            future = client.compute(Delayed(done, graph), optimize_graph=False)
+            await asyncio.wait_for(future, timeout_s)
+            starts, stops = [], []
+            for record in await client.get_task_stream():
+                for part in record.get("startstops", ()):
+                    if part["action"] == "compute":
+                        starts.append(part["start"])
+                        stops.append(part["stop"])
+            copies_run = sum(len(graph.layers[name]) for name in graph.layers
+                             if name.startswith(("up-", "down-")))
+            span = (max(stops) - min(starts)) if starts else 0.0
+            return TimedRun(span / dilation, len(starts), copies_run, dilation)
+
+
+class _gpu_workers:
+    """``count`` GPU workers, started and closed together."""
+
+    def __init__(self, address: str, count: int) -> None:
+        self.address, self.count = address, count
+        self.workers: list[Any] = []
+
+    async def __aenter__(self) -> list[Any]:
+        from distributed import Worker
+
+        self.workers = [Worker(self.address, nthreads=3, resources=dict(GPU_WORKER_RESOURCES))
+                        for _ in range(self.count)]
+        await asyncio.gather(*self.workers)
+        return self.workers
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.gather(*(w.close() for w in self.workers))
+
+
+def run_timed(costs: Costs, schedule: Schedule, *, dilation: float, copies: CopyMode = "link",
+              timeout_s: float = 300.0) -> TimedRun:
+    """Run ``schedule`` (its assignment) on a timed cluster of ``schedule.machine``'s shape."""
+    return asyncio.run(_run(costs, schedule, schedule.machine, dilation, copies, timeout_s))
