@@ -65,4 +65,3 @@ def install_device_accounting(worker: Any) -> bool:
             fast.weights[key] = new
         data._eugo_device_accounting = True
     return True
-

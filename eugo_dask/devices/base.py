@@ -83,7 +83,6 @@ class DeviceDisabled(RuntimeError):
     """The device is off for this process (a sticky CUDA error, a missing CUDA library)."""
 
 
-
 class DeferringLock:
     """A lock for books that finalizers change: the finalizer queues its change, the lock's
     next holder makes it.
@@ -119,7 +118,6 @@ class DeferringLock:
 
     def __exit__(self, *exc_info: Any) -> None:
         self._lock.release()
-
 
 
 def _walk(value: Any, visit: Callable[[Any], None]) -> None:
@@ -443,4 +441,3 @@ def map_arrays(value: Any, convert: Callable[[Any], Any]) -> Any:
     if type(value) is dict:
         return {k: map_arrays(v, convert) for k, v in value.items()}
     return convert(value)
-

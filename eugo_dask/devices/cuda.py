@@ -366,8 +366,6 @@ def _elapsed_seconds(cupy: Any) -> Callable[[Any, Any], float]:
     return elapsed
 
 
-
-
 def probe_cupy(cupy: Any, ordinal: int = 0) -> str | None:
     """Exercise CUDA device ``ordinal``: compile and run a kernel (NVRTC), a GEMM (cuBLAS) and
     an FFT (cuFFT), check their results; the reason it is unusable, or None."""
@@ -460,4 +458,3 @@ def cupy_device_memory(ordinal: int = 0) -> int | None:
     if not cupy_device_count():
         return None
     return int(import_cupy().cuda.runtime.getDeviceProperties(ordinal)["totalGlobalMem"])
-

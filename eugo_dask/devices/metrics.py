@@ -67,4 +67,3 @@ def _register_metrics() -> None:
         except ImportError:
             return
         REGISTRY.register(DeviceMetricsCollector())
-
