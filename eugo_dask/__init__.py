@@ -13,7 +13,7 @@ changes. CuPy is imported only when a CuPy device is asked for.
 from eugo_dask._version import __version__
 from eugo_dask.config import Settings, read_settings, register_defaults
 from eugo_dask.devices import device_stats, reset_device_stats
-from eugo_dask.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryError
+from eugo_dask.devices.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryError
 from eugo_dask.optimization import bridge, eugo, explain, install_bridge, warn_if_array_expressions
 from eugo_dask.plan import Decision, Plan
 from eugo_dask.profile import PRESETS, Profile, ProfileError, load_profile

@@ -53,7 +53,6 @@ from eugo_dask.devices import (
     CupyDevice,
     Device,
     DeviceSettings,
-    _stats,
     cupy_device_count,
     cupy_probe_passed,
     cupy_unusable_reason,
@@ -61,7 +60,8 @@ from eugo_dask.devices import (
     install_device_accounting,
     map_arrays,
 )
-from eugo_dask.emulated import EmulatedDevice, EmulatedDeviceArray, set_rebuild_device, set_receive
+from eugo_dask.devices.emulated import EmulatedDevice, EmulatedDeviceArray, set_rebuild_device, set_receive
+from eugo_dask.devices.stats import _stats
 from eugo_dask.graph import Fused, fused
 from eugo_dask.ops import device_dtype_ok
 

@@ -130,7 +130,7 @@ def _first_copies(cupy: Any, host: np.ndarray) -> tuple[float, float]:
 
 
 def _copies_at(cupy: Any, staged: CupyDevice, direct: CupyDevice, nbytes: int) -> dict[str, float]:
-    from eugo_dask.devices import _host_bytes
+    from eugo_dask.devices.cuda import _host_bytes
 
     pinned_mod = cupy.cuda.pinned_memory
     stream = cupy.cuda.get_current_stream()

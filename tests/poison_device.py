@@ -1,10 +1,10 @@
 """Worker preload for tests: this worker cannot rebuild device arrays (no device layer).
 
-Any device array sent here would be unpickled through ``eugo_dask.emulated._rebuild_emulated``;
+Any device array sent here would be unpickled through ``eugo_dask.devices.emulated._rebuild_emulated``;
 this records the attempt and fails it, as a worker without CuPy would.
 """
 
-import eugo_dask.emulated
+import eugo_dask.devices.emulated
 
 
 def dask_setup(worker):
@@ -14,4 +14,4 @@ def dask_setup(worker):
         received.append(getattr(data, "shape", None))
         raise ImportError("this worker has no device layer")
 
-    eugo_dask.emulated._rebuild_emulated = refuse
+    eugo_dask.devices.emulated._rebuild_emulated = refuse

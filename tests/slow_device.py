@@ -4,13 +4,13 @@ slower than the reads that feed it, whatever else the machine is doing."""
 import contextlib
 import time
 
-import eugo_dask.emulated
+import eugo_dask.devices.emulated
 
 SECONDS = 0.05
 
 
 def dask_setup(worker):
-    scope = eugo_dask.emulated.EmulatedDevice._scope
+    scope = eugo_dask.devices.emulated.EmulatedDevice._scope
 
     @contextlib.contextmanager
     def slow_scope(self, ordinal):
@@ -21,4 +21,4 @@ def dask_setup(worker):
 
             yield stamp, elapsed, slow_synchronise
 
-    eugo_dask.emulated.EmulatedDevice._scope = slow_scope
+    eugo_dask.devices.emulated.EmulatedDevice._scope = slow_scope

@@ -8,7 +8,7 @@ import pytest
 
 from eugo_dask import EmulatedDeviceArray, EmulatedOutOfMemoryError, device_stats, reset_device_stats
 from eugo_dask.devices import resolve_device_name
-from eugo_dask.emulated import EmulatedDevice
+from eugo_dask.devices.emulated import EmulatedDevice
 from eugo_dask.runtime import get_device
 
 
@@ -126,7 +126,7 @@ from eugo_dask.devices import (  # noqa: E402
     device_nbytes,
     install_device_accounting,
 )
-from eugo_dask.emulated import EmulatedCudaError  # noqa: E402
+from eugo_dask.devices.emulated import EmulatedCudaError  # noqa: E402
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import pytest
 from dask.array.optimization import optimize as dask_array_optimize
 
 import eugo_dask
-from eugo_dask import devices, optimization, runtime
+from eugo_dask import optimization, runtime
 from eugo_dask.config import read_settings
+from eugo_dask.devices import cuda
 from eugo_dask.graph import ChunkInfo, task_spec_dict
 from eugo_dask.plan import ColdStart, Copies
 from eugo_dask.profile import load_profile
@@ -229,7 +230,7 @@ def test_cupys_probe_pays_the_first_use_not_the_threads(cold_device, monkeypatch
     """Resolving eugo.device to CuPy probes device 0 (context, a kernel compile): the first
     use is paid then; the threads that will run tasks still set up."""
     probe = functools.lru_cache(maxsize=1)(lambda: None)  # a usable device, not probed yet
-    monkeypatch.setattr(devices, "cupy_unusable_reason", probe)
+    monkeypatch.setattr(cuda, "cupy_unusable_reason", probe)
     assert not runtime.device_first_use_paid("cupy")
     profile = load_profile({**H200_SERVER, "gpu": {"first_use_s": 5.0, "thread_setup_s": 1.0}})
     with dask.config.set(num_workers=2):

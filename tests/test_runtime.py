@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import eugo_dask
-from eugo_dask.emulated import EmulatedDeviceArray
+from eugo_dask.devices.emulated import EmulatedDeviceArray
 from eugo_dask.runtime import DeviceCall, get_device, to_device, to_host, why_no_device
 
 

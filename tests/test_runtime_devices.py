@@ -10,7 +10,7 @@ import pytest
 
 import eugo_dask
 from eugo_dask import device_stats
-from eugo_dask.emulated import EmulatedDevice
+from eugo_dask.devices.emulated import EmulatedDevice
 from eugo_dask.runtime import DeviceCall, get_device, to_device
 
 A = np.random.default_rng(0).random((400, 300))

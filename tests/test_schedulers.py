@@ -64,7 +64,7 @@ def test_processes_scheduler_pool_runs_the_plan_on_the_device():
     the device there, rather than each falling back to the CPU."""
     import dask.multiprocessing
 
-    from eugo_dask.emulated import EmulatedDeviceArray
+    from eugo_dask.devices.emulated import EmulatedDeviceArray
 
     with dask.config.set(SETTINGS):
         x = pipeline()

@@ -7,7 +7,7 @@ raises as CuPy does, and so does mixing arrays of two devices. It lets CI prove 
 laptop user dry-run a plan; it proves nothing about speed.
 
 What it emulates of a CUDA process, so the runtime's device mechanisms are testable without
-CUDA (:class:`eugo_dask.devices.Device` documents them):
+CUDA (:class:`eugo_dask.devices.base.Device` documents them):
 
 - several devices (``count``), each with its own capacity; arrays remember their device and
   results land on their inputs' device;
@@ -38,20 +38,19 @@ from typing import Any
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from eugo_dask.devices import (
+from eugo_dask.devices.accounting import DEVICE_ARRAY_TYPES
+from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings
+from eugo_dask.devices.errors import (
     COMPILE,
-    DEVICE_ARRAY_TYPES,
     LIBRARY,
     OUT_OF_MEMORY,
     RUNTIME,
     STICKY,
     STICKY_CUDA_STATUSES,
     UNAVAILABLE,
-    DeferringLock,
-    Device,
-    DeviceSettings,
     _classify_by_name,
 )
+from eugo_dask.devices.stats import _stats
 
 
 class EmulatedOutOfMemoryError(MemoryError):
@@ -203,8 +202,6 @@ class EmulatedDevice(Device):
         with self._pool_lock:
             released = sum(self._held)
             self._held = [0] * self._count
-        from eugo_dask.devices import _stats
-
         _stats.add(memory_releases=1, released_bytes=released)
         return released
 

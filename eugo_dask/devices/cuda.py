@@ -1,0 +1,460 @@
+"""CUDA devices through CuPy (:class:`CupyDevice`), imported lazily the first time they are asked
+for. This is the only module of eugo-dask that imports CuPy.
+
+- **copies**: through two pinned staging buffers per worker thread (:class:`_Staging`), reused,
+  in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
+  next, asynchronous on the task's stream inside a task scope and synchronised outside one.
+  Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
+  that run.
+- **honest detection** (:func:`probe_cupy`, :func:`cupy_unusable_reason`): a tiny kernel, a GEMM
+  and an FFT once per process before ``auto`` trusts a device, and the reason when it cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import numpy as np
+
+from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings, _MiB
+from eugo_dask.devices.errors import (
+    CTK_HINT,
+    OUT_OF_MEMORY,
+    RUNTIME,
+    STICKY,
+    STICKY_CUDA_STATUSES,
+    UNAVAILABLE,
+    UNAVAILABLE_CUDA_STATUSES,
+    _classify_by_name,
+)
+from eugo_dask.devices.stats import _stats
+
+logger = logging.getLogger(__name__)
+
+
+class _Staging:
+    """Two pinned host buffers of one thread, reused for every copy it makes."""
+
+    __slots__ = ("memory", "views", "events", "__weakref__")
+
+    def __init__(self, cupy: Any, nbytes: int) -> None:
+        pinned = cupy.cuda.pinned_memory
+        # portable: usable with every device's context; allocated outside CuPy's pinned pool,
+        # which rounds up and never frees
+        self.memory = [pinned.PinnedMemoryPointer(
+            pinned.PinnedMemory(nbytes, cupy.cuda.runtime.hostAllocPortable), 0) for _ in range(2)]
+        self.views = [np.frombuffer(m, np.uint8, nbytes) for m in self.memory]
+        self.events: list[Any] = [None, None]
+
+    def wait(self, slot: int) -> None:
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()
+            self.events[slot] = None
+
+
+def _host_bytes(array: np.ndarray) -> np.ndarray:
+    """A contiguous array's bytes as a flat uint8 view (memory order)."""
+    return array.reshape(-1, order="F" if array.flags.f_contiguous and not array.flags.c_contiguous
+                         else "C").view(np.uint8)
+
+
+class CupyDevice(Device):
+    """CUDA devices through CuPy (every device visible to the process)."""
+
+    name = "cupy"
+    #: Copies at most this large go straight from/to pageable memory (staging costs more).
+    direct_copy_bytes = 1 * _MiB
+
+    def __init__(self, cupy_module: Any, settings: DeviceSettings | None = None, *,
+                 count: int | None = None) -> None:
+        self.cupy = cupy_module
+        self._count = int(count if count is not None else cupy_module.cuda.runtime.getDeviceCount())
+        self._ready: set[int] = set()
+        self._ready_lock = threading.Lock()
+        self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
+        self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
+        self._staging_total = 0
+        super().__init__(settings)  # last: the device is visible to metrics from here on
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def is_device_array(self, value: object) -> bool:
+        return isinstance(value, self.cupy.ndarray)
+
+    def ordinal_of(self, value: object) -> int | None:
+        return int(value.device.id) if isinstance(value, self.cupy.ndarray) else None
+
+    def _default_ordinal(self) -> int:
+        # outside a task scope, where code that chose no device runs: CuPy's current device
+        return int(self.cupy.cuda.runtime.getDevice())
+
+    # -- per-process and per-thread set-up ----------------------------------------------------
+    def _pool(self) -> Any | None:
+        """CuPy's default pool where it is CuPy's allocator (not RMM's, under dask-cuda)."""
+        cupy = self.cupy
+        pool = cupy.get_default_memory_pool()
+        allocator = cupy.cuda.get_allocator()
+        return pool if getattr(allocator, "__self__", None) is pool else None
+
+    def _prepare(self, ordinal: int) -> None:
+        """Once per device and process: the pool limit."""
+        if ordinal in self._ready:
+            return
+        with self._ready_lock:
+            if ordinal in self._ready:
+                return
+            pool = self._pool()
+            if pool is not None and self.settings.memory_fraction is not None:
+                with self.cupy.cuda.Device(ordinal):
+                    pool.set_limit(fraction=self.settings.memory_fraction)
+            self._ready.add(ordinal)
+
+    def _stream(self, ordinal: int) -> Any:
+        streams = getattr(self._local, "streams", None)
+        if streams is None:
+            streams = self._local.streams = {}
+        stream = streams.get(ordinal)
+        if stream is None:
+            with self.cupy.cuda.Device(ordinal):
+                stream = streams[ordinal] = self.cupy.cuda.Stream(non_blocking=True)
+            self._bound_fft_cache(ordinal)
+        return stream
+
+    def _bound_fft_cache(self, ordinal: int) -> None:
+        """Bound this thread's cuFFT plan cache on ``ordinal`` (CuPy's is per thread and device)."""
+        try:
+            from cupy.fft.config import get_plan_cache
+        except ImportError:  # no cuFFT here: FFT tasks fall back, the probe said why
+            return
+        with self.cupy.cuda.Device(ordinal):
+            cache = get_plan_cache()
+            cache.set_size(self.settings.fft_plan_cache_size)
+            if self.settings.fft_plan_cache_bytes is not None:
+                cache.set_memsize(self.settings.fft_plan_cache_bytes)
+        with self._lock:
+            self._fft_caches[(threading.get_ident(), ordinal)] = cache
+
+    def _staging(self) -> _Staging:
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = _Staging(self.cupy, self.settings.staging_bytes)
+            with self._staging_lock:
+                self._staging_total += 2 * self.settings.staging_bytes
+            weakref.finalize(staging, self._staging_lock.defer, self._forget_staging,
+                             2 * self.settings.staging_bytes)
+        return staging
+
+    def _forget_staging(self, nbytes: int) -> None:
+        """A dead thread's buffers are gone (under the staging lock, :class:`DeferringLock`)."""
+        self._staging_total -= nbytes
+
+    @contextlib.contextmanager
+    def _scope(self, ordinal: int):
+        cupy = self.cupy
+        self._prepare(ordinal)
+        with cupy.cuda.Device(ordinal):
+            stream = self._stream(ordinal)
+            _after_legacy_stream(cupy, stream)
+            with stream:
+                def synchronise() -> Any:
+                    end = stream.record()
+                    end.synchronize()
+                    return end
+
+                try:
+                    yield stream.record, _elapsed_seconds(cupy), synchronise
+                except BaseException:
+                    # drain the stream before the fallback reads anything; a sticky error
+                    # raised here is classified with the original one
+                    with contextlib.suppress(Exception):
+                        stream.synchronize()
+                    raise
+
+    @contextlib.contextmanager
+    def _copy_stream(self, ordinal: int, in_task: bool) -> Iterator[Any]:
+        """The stream a copy runs on: the task's, or this thread's, synchronised after."""
+        if in_task:
+            yield self.cupy.cuda.get_current_stream()
+            return
+        self._prepare(ordinal)
+        with self.cupy.cuda.Device(ordinal):
+            stream = self._stream(ordinal)
+            _after_legacy_stream(self.cupy, stream)
+            yield stream
+            stream.synchronize()
+
+    # -- copies -------------------------------------------------------------------------------
+    def _to_device(self, array: np.ndarray, ordinal: int, in_task: bool) -> Any:
+        cupy = self.cupy
+        if not (array.flags.c_contiguous or array.flags.f_contiguous):
+            array = np.ascontiguousarray(array)
+        order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+        with self._copy_stream(ordinal, in_task) as stream:
+            out = cupy.empty(array.shape, dtype=array.dtype, order=order)
+            self._h2d(_host_bytes(array), out.data, stream)
+        return out
+
+    def _h2d(self, src: np.ndarray, dst: Any, stream: Any) -> None:
+        nbytes, chunk = src.size, self.settings.staging_bytes
+        if nbytes <= self.direct_copy_bytes or chunk <= 0:
+            dst.copy_from_host_async(src.ctypes.data, nbytes, stream)
+            return
+        staging = self._staging()
+        for i, offset in enumerate(range(0, nbytes, chunk)):
+            slot, size = i % 2, min(chunk, nbytes - offset)
+            staging.wait(slot)  # the previous copy out of this buffer has finished
+            np.copyto(staging.views[slot][:size], src[offset:offset + size])
+            (dst + offset).copy_from_host_async(staging.memory[slot].ptr, size, stream)
+            staging.events[slot] = stream.record()
+
+    def _to_host(self, array: Any) -> np.ndarray:
+        cupy = self.cupy
+        ordinal = int(array.device.id)
+        clock = self.current_task()
+        with self._copy_stream(ordinal, clock is not None and clock.ordinal == ordinal) as stream:
+            if not (array.flags.c_contiguous or array.flags.f_contiguous):
+                array = cupy.ascontiguousarray(array)
+            order: Literal["C", "F"] = (
+                "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
+            out = np.empty(array.shape, dtype=array.dtype, order=order)
+            self._d2h(array.data, _host_bytes(out), stream)
+        return out
+
+    def _d2h(self, src: Any, dst: np.ndarray, stream: Any) -> None:
+        nbytes, chunk = dst.size, self.settings.staging_bytes
+        if nbytes <= self.direct_copy_bytes or chunk <= 0:
+            src.copy_to_host_async(dst.ctypes.data, nbytes, stream)
+            stream.synchronize()
+            return
+        staging = self._staging()
+        offsets = list(range(0, nbytes, chunk))
+
+        def issue(i: int) -> None:
+            slot = i % 2
+            staging.wait(slot)
+            size = min(chunk, nbytes - offsets[i])
+            (src + offsets[i]).copy_to_host_async(staging.memory[slot].ptr, size, stream)
+            staging.events[slot] = stream.record()
+
+        for i in range(min(2, len(offsets))):
+            issue(i)
+        for i, offset in enumerate(offsets):
+            slot, size = i % 2, min(chunk, nbytes - offset)
+            staging.wait(slot)
+            np.copyto(dst[offset:offset + size], staging.views[slot][:size])
+            if i + 2 < len(offsets):
+                issue(i + 2)
+
+    def _move(self, array: Any, ordinal: int) -> Any:
+        cupy = self.cupy
+        clock = self.current_task()
+        with self._copy_stream(ordinal, clock is not None and clock.ordinal == ordinal) as stream:
+            if not (array.flags.c_contiguous or array.flags.f_contiguous):
+                with cupy.cuda.Device(array.device.id):
+                    array = cupy.ascontiguousarray(array)
+                    cupy.cuda.get_current_stream().synchronize()
+            order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+            out = cupy.empty(array.shape, dtype=array.dtype, order=order)
+            out.data.copy_from_device_async(array.data, array.nbytes, stream)
+        return out
+
+    # -- errors -------------------------------------------------------------------------------
+    def _classify(self, exc: BaseException) -> str | None:
+        cuda = self.cupy.cuda
+        if isinstance(exc, cuda.memory.OutOfMemoryError):
+            return OUT_OF_MEMORY
+        cuda_errors: tuple[type[BaseException], ...] = (cuda.runtime.CUDARuntimeError,)
+        driver_error = getattr(getattr(cuda, "driver", None), "CUDADriverError", None)
+        if driver_error is not None:
+            cuda_errors += (driver_error,)
+        if isinstance(exc, cuda_errors):
+            status = int(getattr(exc, "status", -1))
+            if status == 2:  # cudaErrorMemoryAllocation (pinned or driver memory)
+                return OUT_OF_MEMORY
+            if status in STICKY_CUDA_STATUSES:
+                return STICKY
+            if status in UNAVAILABLE_CUDA_STATUSES:
+                return UNAVAILABLE
+            return RUNTIME
+        return _classify_by_name(exc)
+
+    # -- memory -------------------------------------------------------------------------------
+    def memory_stats(self) -> dict[str, Any]:
+        cupy = self.cupy
+        pool = self._pool()
+        with self._lock:
+            caches = dict(self._fft_caches)
+        ordinals = []
+        for ordinal in range(self._count):
+            entry: dict[str, Any] = {"ordinal": ordinal,
+                                     "tasks_in_flight": self._in_flight[ordinal]}
+            if ordinal in self._ready and pool is not None:
+                with cupy.cuda.Device(ordinal):
+                    entry.update(pool_used_bytes=int(pool.used_bytes()),
+                                 pool_held_bytes=int(pool.total_bytes()),
+                                 pool_limit_bytes=int(pool.get_limit()) or None)
+            plans = [c for (_, o), c in caches.items() if o == ordinal]
+            entry["fft_plans"] = sum(int(c.get_curr_size()) for c in plans)
+            entry["fft_plan_bytes"] = sum(int(c.get_curr_memsize()) for c in plans)
+            ordinals.append(entry)
+        with self._staging_lock:
+            pinned = self._staging_total
+        return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
+                "pinned_bytes": pinned,
+                "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
+                "threads": len({thread for thread, _ in caches}),
+                "allocator": "cupy" if pool is not None else "external (RMM or another)"}
+
+    def release_memory(self, *, idle: bool = False) -> int:
+        cupy = self.cupy
+        alive = {t.ident for t in threading.enumerate()}
+        me = threading.get_ident()
+        with self._lock:
+            caches = dict(self._fft_caches)
+        for key, cache in caches.items():
+            thread, _ = key
+            if idle or thread == me or thread not in alive:
+                cache.clear()
+            if thread not in alive:
+                with self._lock:
+                    self._fft_caches.pop(key, None)
+        released = 0
+        pool = self._pool()
+        if pool is not None:
+            for ordinal in sorted(self._ready):
+                with cupy.cuda.Device(ordinal):
+                    before = int(pool.total_bytes())
+                    pool.free_all_blocks()
+                    released += before - int(pool.total_bytes())
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+        _stats.add(memory_releases=1, released_bytes=released)
+        return released
+
+    # -- detection ----------------------------------------------------------------------------
+    def probe(self) -> str | None:
+        for ordinal in range(self._count):
+            reason = probe_cupy(self.cupy, ordinal)
+            if reason is not None:
+                return f"CUDA device {ordinal}: {reason}"
+        return None
+
+
+def _after_legacy_stream(cupy: Any, stream: Any) -> None:
+    """Make ``stream`` (non-blocking: it does not wait for the legacy default stream by itself)
+    start after the work already queued on the current device's default stream and on this
+    thread's current stream, where CuPy code outside eugo's task scopes runs."""
+    null = cupy.cuda.Stream.null
+    stream.wait_event(null.record())
+    current = cupy.cuda.get_current_stream()
+    if current.ptr not in (null.ptr, stream.ptr):  # a per-thread default or user stream
+        stream.wait_event(current.record())
+
+
+def _elapsed_seconds(cupy: Any) -> Callable[[Any, Any], float]:
+    def elapsed(start: Any, end: Any) -> float:
+        return float(cupy.cuda.get_elapsed_time(start, end)) / 1000.0
+
+    return elapsed
+
+
+def probe_cupy(cupy: Any, ordinal: int = 0) -> str | None:
+    """Exercise CUDA device ``ordinal``: compile and run a kernel (NVRTC), a GEMM (cuBLAS) and
+    an FFT (cuFFT), check their results; the reason it is unusable, or None."""
+    steps = (
+        ("a compiled kernel (NVRTC)", lambda a: cupy.ElementwiseKernel(
+            "float32 x", "float32 y", "y = 2 * x + 1", "eugo_probe_kernel")(a), lambda h: 2 * h + 1),
+        ("a GEMM (cuBLAS)", lambda a: a @ a, lambda h: h @ h),
+        ("an FFT (cuFFT)", lambda a: cupy.fft.fft(a).real.astype(np.float32),
+         lambda h: np.fft.fft(h).real.astype(np.float32)),
+    )
+    host = (np.arange(64, dtype=np.float32).reshape(8, 8) % 7) / 7
+    try:
+        with cupy.cuda.Device(ordinal):
+            device = cupy.asarray(host)
+            cupy.cuda.get_current_stream().synchronize()
+    except Exception as e:
+        return f"cannot copy to the device: {type(e).__name__}: {e}"
+    for what, run, expect in steps:
+        try:
+            with cupy.cuda.Device(ordinal):
+                result = run(device)
+                got = cupy.asnumpy(result)
+        except Exception as e:
+            hint = f"; {CTK_HINT}" if _classify_by_name(e) == UNAVAILABLE or isinstance(e, ImportError) else ""
+            return f"{what} failed: {type(e).__name__}: {e}{hint}"
+        if not np.allclose(got, expect(host), rtol=1e-3, atol=1e-3):
+            return f"{what} gave a wrong result"
+    return None
+
+
+def import_cupy() -> Any:
+    """Import CuPy or raise the error that tells the user how to install it."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError("eugo-dask GPU support needs CuPy: pip install 'eugo-dask[gpu]'") from e
+    return cupy
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_unusable_reason() -> str | None:
+    """Why CuPy cannot run GPU tasks in this process, or None where it can: CuPy imports, finds
+    a CUDA device, and device 0 runs a probe kernel, GEMM and FFT (:func:`probe_cupy`). Checked
+    once per process; the reason is logged once at INFO."""
+    reason: str | None
+    try:
+        cupy = import_cupy()
+    except ImportError as e:
+        reason = f"{e}"
+    else:
+        try:
+            count = int(cupy.cuda.runtime.getDeviceCount())
+        except cupy.cuda.runtime.CUDARuntimeError as e:  # no driver, no device, driver too old
+            reason = f"CuPy is installed but finds no usable CUDA device ({e})"
+        else:
+            reason = "CuPy finds no CUDA device" if count == 0 else probe_cupy(cupy, 0)
+            if reason is not None and count:
+                reason = f"CUDA device 0 is not usable: {reason}"
+    if reason is not None:
+        logger.info("eugo: no CUDA device for GPU tasks: %s", reason)
+    return reason
+
+
+def cupy_probe_passed() -> bool:
+    """Whether this process has probed CuPy (:func:`cupy_unusable_reason` ran) and device 0
+    passed: its CUDA context is made and a kernel compiled."""
+    return cupy_unusable_reason.cache_info().currsize > 0 and cupy_unusable_reason() is None
+
+
+@functools.lru_cache(maxsize=1)
+def cupy_device_count() -> int:
+    """Number of CUDA devices CuPy can use here: 0 without CuPy, a driver or a device, and where
+    device 0 fails the probe (:func:`cupy_unusable_reason` says why)."""
+    if cupy_unusable_reason() is not None:
+        return 0
+    return int(import_cupy().cuda.runtime.getDeviceCount())
+
+
+def cupy_device_name(ordinal: int = 0) -> str | None:
+    """The name of CUDA device ``ordinal``, or None where there is none."""
+    if not cupy_device_count():
+        return None
+    cupy = import_cupy()
+    name = cupy.cuda.runtime.getDeviceProperties(ordinal)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def cupy_device_memory(ordinal: int = 0) -> int | None:
+    """Total memory of CUDA device ``ordinal`` in bytes, or None where there is none."""
+    if not cupy_device_count():
+        return None
+    return int(import_cupy().cuda.runtime.getDeviceProperties(ordinal)["totalGlobalMem"])
