@@ -26,8 +26,9 @@ from typing import Any
 
 from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+from distributed.diagnostics.plugin import SchedulerPlugin
 
-from eugo_dask.schedule import Costs, CopyMode, Machine, Schedule
+from eugo_dask.schedule import CopyMode, Costs, Machine, Schedule
 
 #: the resources of a GPU worker: one kernel, one copy each way at a time
 GPU_WORKER_RESOURCES = {"GPU": 1, "UP": 1, "DOWN": 1}
@@ -49,6 +50,8 @@ class TimedRun:
     tasks: int
     copies: int
     dilation: float
+    #: where each task of the graph ran: -1 the CPU worker, g GPU worker g (as assigned)
+    ran: tuple[int, ...] = ()
 
 
 def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation: float,
@@ -117,6 +120,8 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
     from distributed import Client, Scheduler, Worker
 
     async with Scheduler(host="127.0.0.1", dashboard_address=":0") as scheduler:
+        clock = _Clock()
+        scheduler.add_plugin(clock)
         async with Worker(scheduler.address, nthreads=machine.cpu_threads) as cpu, \
                 _gpu_workers(scheduler.address, machine.gpus) as gpus, \
                 Client(scheduler.address, asynchronous=True) as client:
@@ -125,16 +130,32 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
                                          gpu_workers=[w.address for w in gpus])
             future = client.compute(Delayed(done, graph), optimize_graph=False)
             await asyncio.wait_for(future, timeout_s)
-            starts, stops = [], []
-            for record in await client.get_task_stream():
-                for part in record.get("startstops", ()):
-                    if part["action"] == "compute":
-                        starts.append(part["start"])
-                        stops.append(part["stop"])
             copies_run = sum(len(graph.layers[name]) for name in graph.layers
                              if name.startswith(("up-", "down-")))
-            span = (max(stops) - min(starts)) if starts else 0.0
-            return TimedRun(span / dilation, len(starts), copies_run, dilation)
+            span = (max(clock.stops) - min(clock.starts)) if clock.starts else 0.0
+            unit = {cpu.address: -1, **{w.address: g for g, w in enumerate(gpus)}}
+            ran = tuple(unit.get(clock.workers.get(f"task-{i}", ""), -2)
+                        for i in range(len(costs)))
+            return TimedRun(span / dilation, len(clock.starts), copies_run, dilation, ran)
+
+
+class _Clock(SchedulerPlugin):
+    """A scheduler plugin that keeps when each task's compute started and stopped."""
+
+    name = "eugo-timed-clock"
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.stops: list[float] = []
+        self.workers: dict[Any, str] = {}  # key -> the worker that ran it
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if start == "processing" and finish == "memory":
+            self.workers[key] = kwargs.get("worker", "")
+            for part in kwargs.get("startstops", ()):
+                if part.get("action") == "compute":
+                    self.starts.append(part["start"])
+                    self.stops.append(part["stop"])
 
 
 class _gpu_workers:

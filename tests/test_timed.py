@@ -1,0 +1,52 @@
+"""The timed emulated cluster: a simulated schedule run on a real scheduler and workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from eugo_dask.schedule import Costs, Machine, lower_bound, simulate
+from eugo_dask.timed import run_timed, timed_graph
+
+MACHINE = Machine(cpu_threads=4, gpus=2, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+
+
+def costs() -> Costs:
+    """Two host chunks of 10 MB, four tasks on each (a device runs them 4x faster), a sum."""
+    cpu = [0.0, 0.0, *[0.04] * 8, 0.01]
+    gpu: list[float | None] = [None, None, *[0.01] * 8, None]
+    deps = [(), (), *[(0,)] * 4, *[(1,)] * 4, tuple(range(2, 10))]
+    return Costs(keys=[f"k-{i}" for i in range(11)], cpu_s=cpu, gpu_s=gpu,
+                 nbytes=[10**7, 10**7, *[10**6] * 8, 8], deps=deps, outputs=frozenset({10}),
+                 placement=[False, False, *[True] * 8, False])
+
+
+def test_the_graph_has_a_task_per_task_and_a_copy_per_crossing():
+    c = costs()
+    schedule = simulate(c, MACHINE, "dmda")
+    graph, done = timed_graph(c, schedule, MACHINE, dilation=1.0, copies="link",
+                              cpu_worker="cpu", gpu_workers=["gpu-0", "gpu-1"])
+    tasks = {key for layer in graph.layers.values() for key in layer}
+    assert {f"task-{i}" for i in range(11)} | {done} <= tasks
+    on_gpu = [i for i, g in enumerate(schedule.assignment) if g >= 0]
+    assert on_gpu  # dmda offloads some of them
+    # each host chunk a device reads is copied there once; each device result the sum reads,
+    # back once
+    ups = {k for k in tasks if k.startswith("up-")}
+    downs = {k for k in tasks if k.startswith("down-")}
+    assert ups == {f"up-{u}-{schedule.assignment[i]}" for i in on_gpu for u in c.deps[i]}
+    assert downs == {f"down-{i}" for i in on_gpu}
+    for name, layer in graph.layers.items():  # placed where the schedule says, nowhere else
+        restriction = layer.annotations
+        assert restriction["allow_other_workers"] is False
+        assert restriction["workers"] == (["cpu"] if name in ("cpu", done) else
+                                          [f"gpu-{name.rsplit('-', 1)[1]}"])
+
+
+@pytest.mark.parametrize("copies", ["link", "slot"])
+def test_a_schedule_runs_where_it_was_assigned_and_never_beats_the_bound(copies):
+    c = costs()
+    schedule = simulate(c, MACHINE, "dmda", copies=copies)
+    run = run_timed(c, schedule, dilation=5.0, copies=copies, timeout_s=120)
+    assert run.ran == schedule.assignment
+    assert run.tasks == 11 + run.copies + 1  # the tasks, their copies, the gathering task
+    assert run.makespan_s >= lower_bound(c, MACHINE).seconds
