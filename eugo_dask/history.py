@@ -31,6 +31,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from dask.typing import Key
+
 from eugo_dask.files import UnsafeLocation, cache_dir, machine_id, read_json, write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -195,7 +197,7 @@ def _duration(value: Any) -> float | None:
 # ---------------------------------------------------------------------------------------------
 _histories: dict[str, RuntimeHistory] = {}
 #: key -> (op, device, nbytes, history) of planned tasks not yet observed
-pending: dict[Any, tuple[str, str, float, RuntimeHistory]] = {}
+pending: dict[Key, tuple[str, str, float, RuntimeHistory]] = {}
 _PENDING_LIMIT = 2_000_000
 
 
@@ -219,14 +221,14 @@ def save_all() -> None:
         history.save()
 
 
-def expect(tasks: dict[Any, tuple[str, str, float, RuntimeHistory]]) -> None:
+def expect(tasks: dict[Key, tuple[str, str, float, RuntimeHistory]]) -> None:
     """Remember planned tasks so their observed durations can be attributed."""
     if len(pending) + len(tasks) > _PENDING_LIMIT:
         pending.clear()  # stale entries of graphs that never ran
     pending.update(tasks)
 
 
-def observe(key: Any, seconds: float) -> None:
+def observe(key: Key, seconds: float) -> None:
     """A planned task ran for ``seconds``: record it in its plan's history."""
     info = pending.pop(key, None)
     if info is not None:
@@ -243,7 +245,7 @@ class LearningCallback:
         from dask.callbacks import Callback
 
         self.history = history
-        self._start: dict[Any, float] = {}
+        self._start: dict[Key, float] = {}
         outer = self
 
         class _Timer(Callback):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from dask._task_spec import Alias, Task
+from dask.typing import NestedKeys
 from dask.utils import key_split
 
 from eugo_dask.cost_model import Estimate, estimate_d2h_seconds, estimate_h2d_seconds
@@ -328,7 +329,7 @@ def _reads(node: Any, description: GraphDescription) -> set[Key]:
 
 def place(
     dsk: Graph,
-    keys: Any,
+    keys: Key | NestedKeys,
     description: GraphDescription,
     *,
     profile: Profile,

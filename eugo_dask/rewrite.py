@@ -45,6 +45,7 @@ from eugo_dask.graph import (
     keeps_its_name,
     new_task,
     shuffle_id_of,
+    substitute_keys,
     with_shuffle_id,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
@@ -382,8 +383,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
     # one DeviceCall per function and layer, and the layer's device name: by function and
     # layer, and the last one by layer (a layer has one function: one lookup by its name)
-    calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
-    layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
+    calls: dict[tuple[int, Key], tuple[DeviceCall, Key]] = {}
+    layer_calls: dict[Key, tuple[DeviceCall, Key]] = {}
 
     copied_back: dict[Key, Key] = {}  # a key whose copy back took its place -> the copy's key
     on_device = _DeviceRefs(plan, targets, out, roles, origin, device, token)
@@ -572,7 +573,7 @@ def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNo
         return Alias(new_key, renames.get(target, target))
     if type(node) is Task:
         return _renamed_task(node, renames, new_key)
-    return node.substitute(renames, key=new_key)
+    return substitute_keys(node, renames, new_key)
 
 
 def _renamed_task(node: Task, renames: dict[Key, Key], key: Key) -> Task:
@@ -595,7 +596,9 @@ def _renamed_arg(arg: Any, subs: dict[Key, Key]) -> Any:
     """A task's argument with the keys it reads renamed (``subs``: only those it reads)."""
     if type(arg) is Task:
         return _renamed_task(arg, subs, arg.key)
-    if isinstance(arg, (GraphNode, TaskRef)):  # (a distributed Future is a TaskRef too)
+    if isinstance(arg, GraphNode):
+        return substitute_keys(arg, subs)
+    if isinstance(arg, TaskRef):  # (a distributed Future is one too)
         return arg.substitute(subs)
     return arg
 
