@@ -372,7 +372,7 @@ def task_spec_dict(dsk: Any) -> dict[Key, GraphNode]:
     return convert_legacy_graph(graph)
 
 
-def optimize_without_linear_fusion(dsk: Any, keys: Any) -> Any:
+def optimize_without_linear_fusion(dsk: Any, keys: Key | NestedKeys) -> Any:
     """Dask's array optimization up to its linear fusion (``dask.array.optimization.optimize``
     with ``optimization.fuse.active: False``, without setting that for the whole process):
     blockwise fusion, root fusion and culling."""

@@ -48,7 +48,7 @@ from dask.utils import key_split
 from eugo_dask.cost_model import Estimate, estimate_d2h_seconds, estimate_h2d_seconds
 from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import ArraySpec, Graph, Key, flatten_keys
-from eugo_dask.ops import CPU, GPU, MOVEMENT, Placement
+from eugo_dask.ops import CPU, GPU, MOVEMENT, DeviceSetting, Family, Placement
 from eugo_dask.profile import Profile
 from eugo_dask.report import (
     copies_text,
@@ -98,7 +98,7 @@ class Decision:
         return key_split(self.key)
 
     @property
-    def op(self) -> str:
+    def op(self) -> Family:
         return self._estimate.family
 
     @property
@@ -232,7 +232,7 @@ class Plan:
 
     decisions: dict[Key, Decision]
     profile_name: str
-    device: str | None
+    device: DeviceSetting | None
     min_speedup: float
     #: what-if task-seconds: ``all_cpu``, ``all_gpu`` and ``as_chosen``
     totals: dict[str, float] = field(default_factory=dict)
@@ -334,7 +334,7 @@ def place(
     *,
     profile: Profile,
     min_speedup: float,
-    device: str | None,
+    device: DeviceSetting | None,
     device_memory_bytes: float,
     cold: ColdStart | None = None,
     _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
