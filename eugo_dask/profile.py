@@ -25,7 +25,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -244,17 +244,11 @@ def _check_number(where: str, value: Any, kind: str) -> None:
 def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
     """Check a profile's section ``section`` against ``fields`` (field -> kind; ``?`` after a
     kind: optional): a mapping of known fields, each present unless optional, of its kind."""
-    if not isinstance(data, Mapping):
-        raise ProfileError(
-            f"{_CONFIG_KEY}: '{section}' must be a mapping with fields {sorted(fields)}; "
-            f"got {type(data).__name__}"
-        )
-    unknown = set(data) - set(fields)
-    if unknown:
-        raise ProfileError(
-            f"{_CONFIG_KEY}: unknown field(s) {sorted(unknown)} in '{section}'; "
-            f"allowed: {sorted(fields)}"
-        )
+    _check_keys(data, fields,
+                f"'{section}' must be a mapping with fields {sorted(fields)}; "
+                f"got {type(data).__name__}",
+                lambda unknown: f"unknown field(s) {unknown} in '{section}'; "
+                                f"allowed: {sorted(fields)}")
     for field, kind in fields.items():
         where = f"{section}.{field}"
         optional = kind.endswith("?")
@@ -264,6 +258,17 @@ def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
                 continue
             raise ProfileError(f"{_CONFIG_KEY}: '{where}' is missing (kind: {kind})")
         _check_field(where, data[field], kind)
+
+
+def _check_keys(data: Any, allowed: Iterable[str], not_mapping: str,
+                unknown: Callable[[list[Any]], str]) -> None:
+    """Raise :class:`ProfileError` saying ``not_mapping`` where ``data`` is not a mapping, or
+    ``unknown(its keys not allowed, sorted)`` where it has any."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{_CONFIG_KEY}: {not_mapping}")
+    bad = set(data) - set(allowed)
+    if bad:
+        raise ProfileError(f"{_CONFIG_KEY}: {unknown(sorted(bad))}")
 
 
 def _check_field(where: str, value: Any, kind: str) -> None:
@@ -314,17 +319,10 @@ def _check_class_rates(where: str, value: Any) -> None:
 def _check_rates(where: str, value: Any) -> None:
     """``{dtype: rate}``: float32 and float64 at least, only :data:`_RATE_DTYPES`, every rate
     a positive number."""
-    if not isinstance(value, Mapping):
-        raise ProfileError(
-            f"{_CONFIG_KEY}: {where} must map dtypes {list(_RATE_DTYPES)} to rates; "
-            f"got {value!r}"
-        )
-    bad = set(value) - set(_RATE_DTYPES)
-    if bad:
-        raise ProfileError(
-            f"{_CONFIG_KEY}: {where} has unknown dtype(s) {sorted(bad)}; "
-            f"allowed: {list(_RATE_DTYPES)}"
-        )
+    _check_keys(value, _RATE_DTYPES,
+                f"{where} must map dtypes {list(_RATE_DTYPES)} to rates; got {value!r}",
+                lambda unknown: f"{where} has unknown dtype(s) {unknown}; "
+                                f"allowed: {list(_RATE_DTYPES)}")
     for dtype in ("float32", "float64"):
         if dtype not in value:
             raise ProfileError(f"{_CONFIG_KEY}: '{where}.{dtype}' is missing")
