@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import dask
 import numpy as np
@@ -42,6 +42,7 @@ from eugo_dask.devices import (
     cupy_device_name,
     resolve_device_name,
 )
+from eugo_dask.ops import DeviceSetting
 from eugo_dask.profile import PRESETS, check_profile_spec, preset_for_device
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def keyword_settings(settings: dict[str, Any], caller: str) -> dict[str, Any]:
 class Settings:
     """The ``eugo.*`` settings in force for one optimization, validated."""
 
-    device: str
+    device: DeviceSetting
     profile: Any
     min_speedup: float
     resource: str
@@ -166,10 +167,13 @@ class Settings:
         ``gpu_workers`` says whether the cluster the graph runs on has workers advertising the
         GPU resource (None: no cluster, decide from this machine). With them, ``auto`` plans
         for CuPy: the workers' own devices run the GPU tasks."""
+        device: DeviceSetting
         if (self.device == "auto" and gpu_workers) or (self.device == "cupy" and gpu_workers is not None):
             device = "cupy"  # planned for the cluster's workers; this process needs no CuPy
         else:  # this machine's device; an explicit "cupy" here says why it cannot be honoured
-            device = resolve_device_name(self.device, explicit_error=True) or "none"
+            # (cupy, emulated or None: devices.py types it str until the types reach it)
+            device = cast(DeviceSetting,
+                          resolve_device_name(self.device, explicit_error=True) or "none")
         return replace(self, device=device, profile=resolve_profile(self.profile, device))
 
 
@@ -188,7 +192,7 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
     return number
 
 
-def process_device() -> str:
+def process_device() -> DeviceSetting:
     """This process's own ``eugo.device`` (a worker uses a device only where it allows)."""
     device = _setting("eugo.device")
     if device is None:  # Dask reads DASK_EUGO__DEVICE=none from the environment as None
@@ -379,7 +383,7 @@ def cluster_profile() -> Any:
     return None
 
 
-def resolve_profile(profile: Any, device: str) -> Any:
+def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
     """``auto`` -> the profile for the local CUDA device: the preset of its exact model name with
     its memory and device count read from the device (:func:`eugo_dask.profile.preset_for_device`);
     an unknown model is priced with the h200 preset and a warning says to calibrate; the h200

@@ -27,6 +27,7 @@ cores. The planner divides per-thread estimates by the number of chunks that can
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -151,89 +152,138 @@ class Step(NamedTuple):
     flops: float | None = None
 
 
+#: What one operation costs: (flops, cpu_s, gpu_s).
+StepCost = tuple[float, float, float]
+
+
 def estimate_step(step: Step, n_fallback: int, dtype_fallback: np.dtype[Any],
-                  profile: Profile) -> tuple[float, float, float]:
-    """(flops, cpu_s, gpu_s) of one operation. Sizes are the operation's own where known,
-    else ``n_fallback`` elements of ``dtype_fallback`` (the task's largest array)."""
-    cpu, gpu = profile.cpu, profile.gpu
-    op, out = step.op, step.out
+                  profile: Profile) -> StepCost:
+    """(flops, cpu_s, gpu_s) of one operation, by its op family. Sizes are the operation's own
+    where known, else ``n_fallback`` elements of ``dtype_fallback`` (the task's largest array)."""
+    out = step.out
     n = out.size if out is not None else n_fallback
     dtype = out.dtype if out is not None and device_dtype_ok(out.dtype) else dtype_fallback
+    cost = _STEP_COSTS.get(step.op.family, _host_step)
+    return cost(step, n, dtype, n_fallback, profile)
+
+
+def _elementwise_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+                      profile: Profile) -> StepCost:
+    """A ufunc: its weight per element against the FLOP rate, or its memory traffic (or the
+    rate calibrated on this CPU for its class)."""
+    cpu, gpu, op, out = profile.cpu, profile.gpu, step.op, step.out
+    weight = UFUNC_WEIGHTS.get(op.name, DEFAULT_UFUNC_WEIGHT)
+    if dtype.kind == "c":
+        weight *= 4
+    flops = n * weight
+    operands = max(len(step.ins), 1)
+    if out is not None and step.ins:
+        traffic = sum(s.nbytes for s in step.ins) + out.nbytes
+    else:
+        traffic = (op.n_inputs + 1) * n * dtype.itemsize
+    measured = cpu.elementwise_seconds(op.name, dtype, n)
+    if measured is not None:  # calibrated on this CPU for the ufunc's class
+        cpu_s = n * measured * (4 if dtype.kind == "c" else 1) * (operands + 1) / 3
+    else:
+        cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s,
+                    flops / cpu.flops_per_s.for_dtype(dtype))
+    gpu_s = max(traffic / _gpu_bw(profile),
+                flops / (gpu.flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_FLOPS_EFFICIENCY)))
+    return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
+
+
+def _matmul_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+                 profile: Profile) -> StepCost:
+    """A contraction: its FLOPs (read from the operation, else guessed from its operands'
+    shapes) at the BLAS/cuBLAS rate for its effective matrix order."""
+    cpu, gpu, out = profile.cpu, profile.gpu, step.out
+    flops = step.flops if step.flops is not None else _guessed_matmul_flops(
+        list(step.ins) or ([out] if out is not None else []))
+    if flops <= 0:
+        return 0.0, CPU_CALL_S, _gpu_call_s(profile)
+    size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k
+    per_flop = cpu.matmul_seconds_per_flop(dtype, size)
+    if per_flop is not None:  # calibrated at the chunk sizes that matter
+        cpu_rate = 1.0 / per_flop
+    else:
+        half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
+        cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
+    gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_MATMUL_EFFICIENCY)
+                * size / (size + GPU_MATMUL_HALF_N))
+    return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
+
+
+def _fft_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+              profile: Profile) -> StepCost:
+    """An FFT: ``5 n log2 n`` FLOPs (half for real input), and cuFFT's plan on the GPU."""
+    cpu, gpu, op, out = profile.cpu, profile.gpu, step.op, step.out
     item = dtype.itemsize
-    if op.family == ELEMENTWISE:
-        weight = UFUNC_WEIGHTS.get(op.name, DEFAULT_UFUNC_WEIGHT)
-        if dtype.kind == "c":
-            weight *= 4
-        flops = n * weight
-        operands = max(len(step.ins), 1)
-        if out is not None and step.ins:
-            traffic = sum(s.nbytes for s in step.ins) + out.nbytes
-        else:
-            traffic = (op.n_inputs + 1) * n * item
-        measured = cpu.elementwise_seconds(op.name, dtype, n)
-        if measured is not None:  # calibrated on this CPU for the ufunc's class
-            cpu_s = n * measured * (4 if dtype.kind == "c" else 1) * (operands + 1) / 3
-        else:
-            cpu_s = max(traffic / cpu.memory_bandwidth_bytes_per_s,
-                        flops / cpu.flops_per_s.for_dtype(dtype))
-        gpu_s = max(traffic / _gpu_bw(profile),
-                    flops / (gpu.flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_FLOPS_EFFICIENCY)))
-        return flops, cpu_s + CPU_CALL_S, gpu_s + _gpu_call_s(profile)
-    if op.family == MATMUL:
-        flops = step.flops if step.flops is not None else _guessed_matmul_flops(
-            list(step.ins) or ([out] if out is not None else []))
-        if flops <= 0:
-            return 0.0, CPU_CALL_S, _gpu_call_s(profile)
-        size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k
-        per_flop = cpu.matmul_seconds_per_flop(dtype, size)
-        if per_flop is not None:  # calibrated at the chunk sizes that matter
-            cpu_rate = 1.0 / per_flop
-        else:
-            half_n = cpu.matmul_half_n or CPU_MATMUL_HALF_N
-            cpu_rate = cpu.matmul_flops_per_s.for_dtype(dtype) * size / (size + half_n)
-        gpu_rate = (gpu.matmul_flops_per_s.for_dtype(dtype) * _efficiency(profile, GPU_MATMUL_EFFICIENCY)
-                    * size / (size + GPU_MATMUL_HALF_N))
-        return flops, flops / cpu_rate + CPU_CALL_S, flops / gpu_rate + _gpu_call_s(profile)
-    if op.family == FFT:
-        source = step.ins[0] if step.ins else out
-        points = max(source.size if source is not None else n, 2)
-        if step.flops is not None:
-            flops = step.flops
-        else:
-            flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
-        traffic = 2 * points * max(out.dtype.itemsize if out is not None else item, item)
-        per_flop = cpu.fft_seconds_per_flop(dtype, points)
-        cpu_s = flops * per_flop if per_flop is not None else flops / cpu.fft_flops_per_s.for_dtype(dtype)
-        gpu_s = max(flops / _gpu_fft_rate(profile, dtype), 3 * traffic / _gpu_bw(profile))
-        return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
-    if op.family == REDUCTION:
-        source = step.ins[0] if step.ins else None
-        n_in = source.size if source is not None else n_fallback
-        in_dtype = source.dtype if source is not None and device_dtype_ok(source.dtype) else dtype
-        traffic = n_in * in_dtype.itemsize
-        flops = float(n_in)
-        per_element = cpu.reduction_seconds(in_dtype, n_in)
-        if per_element is not None:  # calibrated on this CPU
-            cpu_s = n_in * per_element
-        else:
-            read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
-            cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(in_dtype))
-        return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
-    if op.family == MOVEMENT:
-        if op.name in _VIEW_NAMES:
-            return 0.0, CPU_CALL_S, _gpu_call_s(profile)  # views: no copy
-        traffic = 2 * n * item
-        return (0.0, traffic / cpu.memory_bandwidth_bytes_per_s + CPU_CALL_S,
-                traffic / _gpu_bw(profile) + _gpu_call_s(profile))
-    if op.family == DATA:  # a chunk embedded in the graph: already in host memory
-        return 0.0, 0.0, 0.0
-    # creation, I/O, aggregation, unknown run on the host; price their memory traffic
-    traffic = sum(s.nbytes for s in step.ins) + n * item
+    source = step.ins[0] if step.ins else out
+    points = max(source.size if source is not None else n, 2)
+    if step.flops is not None:
+        flops = step.flops
+    else:
+        flops = 5.0 * points * math.log2(points) * (0.5 if op.name.startswith(("r", "ih")) else 1)
+    traffic = 2 * points * max(out.dtype.itemsize if out is not None else item, item)
+    per_flop = cpu.fft_seconds_per_flop(dtype, points)
+    cpu_s = flops * per_flop if per_flop is not None else flops / cpu.fft_flops_per_s.for_dtype(dtype)
+    gpu_s = max(flops / _gpu_fft_rate(profile, dtype), 3 * traffic / _gpu_bw(profile))
+    return flops, cpu_s + CPU_CALL_S, gpu_s + gpu.fft_plan_s + _gpu_call_s(profile)
+
+
+def _reduction_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+                    profile: Profile) -> StepCost:
+    """A reduction's chunk step: one pass over its input (``n_fallback`` elements where its
+    input is not known)."""
+    cpu = profile.cpu
+    source = step.ins[0] if step.ins else None
+    n_in = source.size if source is not None else n_fallback
+    in_dtype = source.dtype if source is not None and device_dtype_ok(source.dtype) else dtype
+    traffic = n_in * in_dtype.itemsize
+    flops = float(n_in)
+    per_element = cpu.reduction_seconds(in_dtype, n_in)
+    if per_element is not None:  # calibrated on this CPU
+        cpu_s = n_in * per_element
+    else:
+        read_bw = cpu.reduction_bandwidth_bytes_per_s or cpu.memory_bandwidth_bytes_per_s
+        cpu_s = max(traffic / read_bw, flops / cpu.flops_per_s.for_dtype(in_dtype))
+    return flops, cpu_s + CPU_CALL_S, traffic / _gpu_bw(profile) + _gpu_call_s(profile)
+
+
+def _movement_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+                   profile: Profile) -> StepCost:
+    """Data movement: the bytes it copies (a view copies none)."""
+    if step.op.name in _VIEW_NAMES:
+        return 0.0, CPU_CALL_S, _gpu_call_s(profile)  # views: no copy
+    traffic = 2 * n * dtype.itemsize
+    return (0.0, traffic / profile.cpu.memory_bandwidth_bytes_per_s + CPU_CALL_S,
+            traffic / _gpu_bw(profile) + _gpu_call_s(profile))
+
+
+def _data_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+               profile: Profile) -> StepCost:
+    """A chunk embedded in the graph: already in host memory."""
+    return 0.0, 0.0, 0.0
+
+
+def _host_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
+               profile: Profile) -> StepCost:
+    """Creation, I/O, aggregation and unknown functions, which run on the host: their memory
+    traffic (and a random generator's FLOPs). Inside a GPU task a creation source still runs
+    on the host (then its chunk is copied); the others cannot run there at all."""
+    cpu, op = profile.cpu, step.op
+    traffic = sum(s.nbytes for s in step.ins) + n * dtype.itemsize
     flops = 5.0 * n if op.name.startswith("_apply_random") else 0.0
     cpu_s = traffic / cpu.memory_bandwidth_bytes_per_s + flops / cpu.flops_per_s.for_dtype(dtype)
     cpu_s += CPU_CALL_S
-    # inside a GPU task a creation source still runs on the host (then its chunk is copied)
     return flops, cpu_s, cpu_s if op.family == CREATION else math.inf
+
+
+#: How an operation of each op family is priced (the others: :func:`_host_step`).
+_STEP_COSTS: dict[Family, Callable[[Step, int, np.dtype[Any], int, Profile], StepCost]] = {
+    ELEMENTWISE: _elementwise_step, MATMUL: _matmul_step, FFT: _fft_step,
+    REDUCTION: _reduction_step, MOVEMENT: _movement_step, DATA: _data_step,
+}
 
 
 _VIEW_NAMES = frozenset("getitem transpose identity _identity_cast squeeze expand_dims reshape "

@@ -30,9 +30,9 @@ from dask._task_spec import (
     _extra_args,
     convert_legacy_graph,
 )
+from dask.typing import Key, NestedKeys  # Key: a str, int, float or a tuple ("name", i, j, ...)
 from dask.utils import ensure_dict
 
-Key = Any  # a Dask key: a str or a tuple ("name", i, j, ...)
 Graph = Mapping[Key, GraphNode]
 
 
@@ -112,7 +112,9 @@ class ChunkInfo:
         sparse matrix: no device holds those), else None."""
         if not self._chunk_types:
             return None
-        return self._chunk_types.get(key[0] if type(key) is tuple else key)
+        # (a layer's name, or a key of any other type: looked up as it is, found or not)
+        name: Any = key[0] if type(key) is tuple else key
+        return self._chunk_types.get(name)
 
     def block_of(self, name: str, index: tuple[slice, ...]) -> tuple[int, ...] | None:
         """Block coordinates of the chunk of layer ``name`` that ``index`` selects exactly."""
@@ -132,13 +134,14 @@ class ChunkInfo:
         return tuple(block)
 
     def spec(self, key: Key) -> ArraySpec | None:
+        name: Any  # (a layer's name, or a key of any other type: looked up as it is)
         if type(key) is tuple and key:
             name = key[0]
             info = self._layers.get(name)
             index = key[1:]
         else:
             name = key
-            info = self._layers.get(key)
+            info = self._layers.get(name)
             if info is None or any(len(c) != 1 for c in info[0]):
                 return None
             index = (0,) * len(info[0])
@@ -220,6 +223,13 @@ def new_task(key: Key, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     task._token = task._is_coro = task._repr = None
     return task
 
+
+
+def substitute_keys(node: GraphNode, subs: Mapping[Key, Key], key: Key | None = None) -> GraphNode:
+    """``node.substitute(subs, key)``: ``node`` reading ``subs[k]`` for each key ``k`` it reads
+    in ``subs``. Dask types ``subs`` as a ``dict`` of keys or nodes (invariant in its values,
+    so none of eugo's renames, keys to keys, is one); it takes any such mapping."""
+    return node.substitute(subs, key)  # type: ignore[arg-type]
 
 _new_object = object.__new__
 #: The keyword arguments of the tasks eugo writes without any: one empty dict, shared (Dask
@@ -362,7 +372,7 @@ def task_spec_dict(dsk: Any) -> dict[Key, GraphNode]:
     return convert_legacy_graph(graph)
 
 
-def optimize_without_linear_fusion(dsk: Any, keys: Any) -> Any:
+def optimize_without_linear_fusion(dsk: Any, keys: Key | NestedKeys) -> Any:
     """Dask's array optimization up to its linear fusion (``dask.array.optimization.optimize``
     with ``optimization.fuse.active: False``, without setting that for the whole process):
     blockwise fusion, root fusion and culling."""
@@ -459,7 +469,7 @@ def _key_order(dsk: Graph) -> list[tuple[Key, GraphNode]]:
     """:func:`dependency_order` key by key (Kahn's algorithm, last ready first): one lookup
     per edge, none per key ordered (a cell ``[deps not yet ordered, key, node, dependents]``
     lists its dependents' cells)."""
-    cells = {k: [0, k, node, []] for k, node in dsk.items()}
+    cells: dict[Key, list[Any]] = {k: [0, k, node, []] for k, node in dsk.items()}
     cell_of = cells.get
     for cell in cells.values():
         for d in cell[2].dependencies:
@@ -468,7 +478,7 @@ def _key_order(dsk: Graph) -> list[tuple[Key, GraphNode]]:
                 dep[3].append(cell)
                 cell[0] += 1
     ready = [cell for cell in cells.values() if not cell[0]]
-    order = []
+    order: list[tuple[Key, GraphNode]] = []
     while ready:
         cell = ready.pop()
         order.append((cell[1], cell[2]))
@@ -481,10 +491,10 @@ def _key_order(dsk: Graph) -> list[tuple[Key, GraphNode]]:
     return order
 
 
-def flatten_keys(keys: Any) -> set[Key]:
+def flatten_keys(keys: Key | NestedKeys) -> set[Key]:
     """The keys of a collection's (nested lists of) output keys."""
     out: set[Key] = set()
-    stack = [keys]
+    stack: list[Any] = [keys]
     while stack:
         k = stack.pop()
         if isinstance(k, list):

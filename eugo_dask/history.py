@@ -31,7 +31,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from dask.typing import Key
+
 from eugo_dask.files import UnsafeLocation, cache_dir, machine_id, read_json, write_json_atomic
+from eugo_dask.ops import Family, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +65,14 @@ class RuntimeHistory:
         if self.path is not None and self.path.exists():
             self.load()
 
-    def record(self, op: str, device: str, nbytes: float, seconds: float) -> bool:
+    def record(self, op: Family, placement: Placement, nbytes: float, seconds: float) -> bool:
         """Record one observed duration; False where it was discarded (warm-up) or rejected
         (spikes, and anything that is not a finite, non-negative duration)."""
         if not (math.isfinite(seconds) and seconds >= 0 and math.isfinite(nbytes) and nbytes >= 0):
             with self._lock:
                 self.rejected += 1
             return False
-        key = (op, device, size_bucket(nbytes))
+        key = (op, placement, size_bucket(nbytes))
         per_byte = seconds / max(nbytes, 1)
         with self._lock:
             if key not in self._warmed:
@@ -87,10 +90,10 @@ class RuntimeHistory:
             self._dirty += 1
         return True
 
-    def estimate(self, op: str, device: str, nbytes: float) -> float | None:
+    def estimate(self, op: Family, placement: Placement, nbytes: float) -> float | None:
         """Median observed seconds for a task of this kind and size, or None without enough
         samples."""
-        samples = self._samples.get((op, device, size_bucket(nbytes)))
+        samples = self._samples.get((op, placement, size_bucket(nbytes)))
         if not samples or len(samples) < self.min_samples:
             return None
         return statistics.median(samples) * max(nbytes, 1)
@@ -194,8 +197,8 @@ def _duration(value: Any) -> float | None:
 # Process-wide history and the tasks waiting to be timed
 # ---------------------------------------------------------------------------------------------
 _histories: dict[str, RuntimeHistory] = {}
-#: key -> (op, device, nbytes, history) of planned tasks not yet observed
-pending: dict[Any, tuple[str, str, float, RuntimeHistory]] = {}
+#: key -> (op, placement, nbytes, history) of planned tasks not yet observed
+pending: dict[Key, tuple[Family, Placement, float, RuntimeHistory]] = {}
 _PENDING_LIMIT = 2_000_000
 
 
@@ -219,19 +222,19 @@ def save_all() -> None:
         history.save()
 
 
-def expect(tasks: dict[Any, tuple[str, str, float, RuntimeHistory]]) -> None:
+def expect(tasks: dict[Key, tuple[Family, Placement, float, RuntimeHistory]]) -> None:
     """Remember planned tasks so their observed durations can be attributed."""
     if len(pending) + len(tasks) > _PENDING_LIMIT:
         pending.clear()  # stale entries of graphs that never ran
     pending.update(tasks)
 
 
-def observe(key: Any, seconds: float) -> None:
+def observe(key: Key, seconds: float) -> None:
     """A planned task ran for ``seconds``: record it in its plan's history."""
     info = pending.pop(key, None)
     if info is not None:
-        op, device, nbytes, history = info
-        history.record(op, device, nbytes, seconds)
+        op, placement, nbytes, history = info
+        history.record(op, placement, nbytes, seconds)
         if history._dirty >= 1000:
             history.save()
 
@@ -243,7 +246,7 @@ class LearningCallback:
         from dask.callbacks import Callback
 
         self.history = history
-        self._start: dict[Any, float] = {}
+        self._start: dict[Key, float] = {}
         outer = self
 
         class _Timer(Callback):

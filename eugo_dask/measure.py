@@ -250,78 +250,23 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
     if load is not None:
         stable.warn(load)
     core = CoreShare()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0)  # (one generator, drawn from in the order below)
 
-    def rate(name: str, work: float, fn: Callable[[], Any], budget_s: float = 0.4) -> float:
+    def rate(name: str, work: float, fn: Callable[[], Any]) -> float:
         fn()  # one warm-up for all rounds
-        return stable.rate(name, lambda: work / best_seconds(fn, repeat=repeat, budget_s=budget_s,
+        return stable.rate(name, lambda: work / best_seconds(fn, repeat=repeat, budget_s=0.4,
                                                             warm_up=False))
 
     progress("cpu: matmul")
-    matmul: dict[str, float] = {}
-    matmul_table: dict[str, dict[str, list[list[float]]]] = {}
-    half = []
-    for dtype in ("float32", "float64"):
-        points: list[tuple[float, float]] = []
-        for n in sizes["matmul"]:
-            a = rng.random((n, n)).astype(dtype)
-            points.append((n, rate(f"matmul {n}² {dtype}", 2.0 * n**3, partial(np.matmul, a, a))))
-        peak, h = _fit_inverse(points)
-        matmul[dtype] = max(peak if len(points) > 1 else 0.0, max(r for _, r in points))
-        half.append(h)
-        matmul_table[dtype] = {"matmul": [[n, 1.0 / r] for n, r in points]}
-
+    matmul, half_n, matmul_table = _measure_matmul(rate, rng, sizes["matmul"])
     progress("cpu: elementwise (memory-bound, divide, sqrt, exp, sin, power)")
-    flops: dict[str, float] = {}
-    per_element: dict[str, dict[str, list[list[float]]]] = {}
-    bandwidths = []
     classes = _PROBE_CLASSES if level == "probe" else tuple(UFUNC_CLASSES.values())
-    for dtype in ("float32", "float64"):
-        rates = []
-        per_element[dtype] = {}
-        for name in classes:
-            ufunc = getattr(np, name)
-            per_n: list[list[float]] = []
-            for n in sizes["elementwise"]:
-                x = rng.random(n).astype(dtype) + 0.5
-                y = rng.random(n).astype(dtype) + 0.5
-                # as Dask's chunk functions run: distinct operands, a new result each call
-                args = (x, y) if ufunc.nin == 2 else (x,)
-                elements = rate(f"{name} {n:,} {dtype}", float(n), partial(ufunc, *args))
-                per_n.append([n, 1.0 / elements * (3 / (ufunc.nin + 1))])
-                if n >= 1 << 20:  # past the caches, as most chunks are
-                    if name == "add":
-                        bandwidths.append(3 * x.itemsize * elements)  # two reads, one write
-                    else:
-                        rates.append(UFUNC_WEIGHTS[name] * elements)
-            per_element[dtype][name] = per_n
-        flops[dtype] = statistics.median(rates)
-
+    flops, per_element, bandwidths = _measure_elementwise(rate, rng, sizes["elementwise"],
+                                                          classes)
     progress("cpu: fft")
-    fft: dict[str, float] = {}
-    fft_table: dict[str, dict[str, list[list[float]]]] = {}
-    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
-        per_flop: list[list[float]] = []
-        for n in sizes["fft"]:
-            z = (rng.random(n) + 1j * rng.random(n)).astype(ctype)
-            per_flop.append([n, 1.0 / rate(f"fft {n:,} {dtype}", 5 * n * math.log2(n),
-                                           partial(np.fft.fft, z))])
-        fft[dtype] = 1.0 / statistics.median(p[1] for p in per_flop)
-        fft_table[dtype] = {"fft": per_flop}
-
+    fft, fft_table = _measure_fft(rate, rng, sizes["fft"])
     progress("cpu: reductions")
-    reduction_bw = []
-    reduction_table: dict[str, dict[str, list[list[float]]]] = {}
-    for dtype in ("float32", "float64"):
-        per_element_sum: list[list[float]] = []
-        for n in sizes["reduction"]:
-            x = rng.random(n).astype(dtype)
-            elements = rate(f"sum {n:,} {dtype}", float(n), x.sum)
-            per_element_sum.append([n, 1.0 / elements])
-            if n >= 1 << 20 and dtype == "float64":
-                reduction_bw.append(x.itemsize * elements)
-        reduction_table[dtype] = {"sum": per_element_sum}
-
+    reduction_table, reduction_bw = _measure_reductions(rate, rng, sizes["reduction"])
     progress("cpu: per-task overhead of Dask's scheduler")
     overhead = _dask_task_overhead({"probe": 50, "quick": 100, "full": 1000}[level])
     label = {"probe": "measured", "quick": "calibrated", "full": "calibrated"}[level]
@@ -334,7 +279,7 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
         "reduction_bandwidth_bytes_per_s": statistics.median(reduction_bw or bandwidths),
         "flops_per_s": flops,
         "matmul_flops_per_s": matmul,
-        "matmul_half_n": statistics.median(half),
+        "matmul_half_n": half_n,
         "matmul_s_per_flop": matmul_table,
         "fft_flops_per_s": fft,
         "elementwise_s_per_element": per_element,
@@ -351,6 +296,101 @@ def measure_cpu(*, level: str = "quick", quick: bool | None = None, threads: int
         if summary is not None:
             progress(f"warning: {summary}")
     return section
+
+
+#: ``rate(name, work, fn)``: the units of ``work`` per second one call of ``fn`` does, as
+#: :func:`measure_cpu` measures it (warmed up, best of its level's calls, rounds until stable).
+_Rate = Callable[[str, float, Callable[[], Any]], float]
+#: A rate table of a profile: dtype -> name -> [[size, seconds per unit], ...].
+_Table = dict[str, dict[str, list[list[float]]]]
+
+
+def _measure_matmul(rate: _Rate, rng: np.random.Generator, sizes: Sequence[int]
+                    ) -> tuple[dict[str, float], float, _Table]:
+    """Square matmuls of each order in ``sizes``, float32 and float64: the peak FLOP rate per
+    dtype (fitted where there are several sizes, never below the best seen), the matrix order
+    at half the peak (the median of the dtypes'), and the seconds per FLOP at each order."""
+    matmul: dict[str, float] = {}
+    table: _Table = {}
+    half = []
+    for dtype in ("float32", "float64"):
+        points: list[tuple[float, float]] = []
+        for n in sizes:
+            a = rng.random((n, n)).astype(dtype)
+            points.append((n, rate(f"matmul {n}² {dtype}", 2.0 * n**3, partial(np.matmul, a, a))))
+        peak, h = _fit_inverse(points)
+        matmul[dtype] = max(peak if len(points) > 1 else 0.0, max(r for _, r in points))
+        half.append(h)
+        table[dtype] = {"matmul": [[n, 1.0 / r] for n, r in points]}
+    return matmul, statistics.median(half), table
+
+
+def _measure_elementwise(rate: _Rate, rng: np.random.Generator, sizes: Sequence[int],
+                         classes: Sequence[str]) -> tuple[dict[str, float], _Table, list[float]]:
+    """Each ufunc of ``classes`` on arrays of each size in ``sizes``, float32 and float64: the
+    median FLOP rate per dtype past the caches (weighted by :data:`UFUNC_WEIGHTS`; ``add``
+    aside), the seconds per element at each size, and the memory bandwidths ``add`` reached
+    past the caches (two reads and one write an element)."""
+    flops: dict[str, float] = {}
+    per_element: _Table = {}
+    bandwidths = []
+    for dtype in ("float32", "float64"):
+        rates = []
+        per_element[dtype] = {}
+        for name in classes:
+            ufunc = getattr(np, name)
+            per_n: list[list[float]] = []
+            for n in sizes:
+                x = rng.random(n).astype(dtype) + 0.5
+                y = rng.random(n).astype(dtype) + 0.5
+                # as Dask's chunk functions run: distinct operands, a new result each call
+                args = (x, y) if ufunc.nin == 2 else (x,)
+                elements = rate(f"{name} {n:,} {dtype}", float(n), partial(ufunc, *args))
+                per_n.append([n, 1.0 / elements * (3 / (ufunc.nin + 1))])
+                if n >= 1 << 20:  # past the caches, as most chunks are
+                    if name == "add":
+                        bandwidths.append(3 * x.itemsize * elements)  # two reads, one write
+                    else:
+                        rates.append(UFUNC_WEIGHTS[name] * elements)
+            per_element[dtype][name] = per_n
+        flops[dtype] = statistics.median(rates)
+    return flops, per_element, bandwidths
+
+
+def _measure_fft(rate: _Rate, rng: np.random.Generator, sizes: Sequence[int]
+                 ) -> tuple[dict[str, float], _Table]:
+    """Complex FFTs of each length in ``sizes``, single and double precision (by the float
+    dtype): the FLOP rate per dtype (``5 n log2 n`` FLOPs; the median over the sizes) and the
+    seconds per FLOP at each length."""
+    fft: dict[str, float] = {}
+    table: _Table = {}
+    for dtype, ctype in (("float32", np.complex64), ("float64", np.complex128)):
+        per_flop: list[list[float]] = []
+        for n in sizes:
+            z = (rng.random(n) + 1j * rng.random(n)).astype(ctype)
+            per_flop.append([n, 1.0 / rate(f"fft {n:,} {dtype}", 5 * n * math.log2(n),
+                                           partial(np.fft.fft, z))])
+        fft[dtype] = 1.0 / statistics.median(p[1] for p in per_flop)
+        table[dtype] = {"fft": per_flop}
+    return fft, table
+
+
+def _measure_reductions(rate: _Rate, rng: np.random.Generator, sizes: Sequence[int]
+                        ) -> tuple[_Table, list[float]]:
+    """Sums of arrays of each size in ``sizes``, float32 and float64: the seconds per element
+    at each size, and the read bandwidths float64 reached past the caches."""
+    table: _Table = {}
+    bandwidths = []
+    for dtype in ("float32", "float64"):
+        per_element_sum: list[list[float]] = []
+        for n in sizes:
+            x = rng.random(n).astype(dtype)
+            elements = rate(f"sum {n:,} {dtype}", float(n), x.sum)
+            per_element_sum.append([n, 1.0 / elements])
+            if n >= 1 << 20 and dtype == "float64":
+                bandwidths.append(x.itemsize * elements)
+        table[dtype] = {"sum": per_element_sum}
+    return table, bandwidths
 
 
 def measure_local_cpu() -> dict[str, Any]:

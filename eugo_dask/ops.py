@@ -7,6 +7,9 @@ unknown. The cost model prices each family its own way; the planner keeps aggreg
 creation and unknown functions on the host. Ufuncs carry a weight in flop-equivalents per element
 (:data:`UFUNC_WEIGHTS`) and a class that calibration times (:data:`UFUNC_CLASS`).
 
+The aliases every layer shares live here too: where a task runs (:data:`Placement`) and what
+``eugo.device`` may say (:data:`DeviceSetting`).
+
 This module imports nothing of eugo's: every other module builds on it.
 """
 
@@ -24,6 +27,8 @@ from toolz import curry as _curry
 Placement = Literal["cpu", "gpu"]
 CPU: Final = "cpu"
 GPU: Final = "gpu"
+#: What ``eugo.device`` may say (``auto``: CuPy where it has a working device, else none).
+DeviceSetting = Literal["auto", "cupy", "emulated", "none"]
 
 #: dtype kinds a device can hold: bool, ints, unsigned, floats, complex.
 DEVICE_DTYPE_KINDS = frozenset("biufc")

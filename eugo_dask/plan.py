@@ -37,17 +37,18 @@ import functools
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 from dask._task_spec import Alias, Task
+from dask.typing import NestedKeys
 from dask.utils import key_split
 
 from eugo_dask.cost_model import Estimate, estimate_d2h_seconds, estimate_h2d_seconds
 from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import ArraySpec, Graph, Key, flatten_keys
-from eugo_dask.ops import CPU, GPU, MOVEMENT, Placement
+from eugo_dask.ops import CPU, GPU, MOVEMENT, DeviceSetting, Family, Placement
 from eugo_dask.profile import Profile
 from eugo_dask.report import (
     copies_text,
@@ -97,7 +98,7 @@ class Decision:
         return key_split(self.key)
 
     @property
-    def op(self) -> str:
+    def op(self) -> Family:
         return self._estimate.family
 
     @property
@@ -231,7 +232,7 @@ class Plan:
 
     decisions: dict[Key, Decision]
     profile_name: str
-    device: str | None
+    device: DeviceSetting | None
     min_speedup: float
     #: what-if task-seconds: ``all_cpu``, ``all_gpu`` and ``as_chosen``
     totals: dict[str, float] = field(default_factory=dict)
@@ -336,12 +337,12 @@ def _reads(node: Any, description: GraphDescription) -> set[Key]:
 
 def place(
     dsk: Graph,
-    keys: Any,
+    keys: Key | NestedKeys,
     description: GraphDescription,
     *,
     profile: Profile,
     min_speedup: float,
-    device: str | None,
+    device: DeviceSetting | None,
     device_memory_bytes: float,
     cold: ColdStart | None = None,
     _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
@@ -365,13 +366,10 @@ def place(
         the tasks that would have gone to the GPU say why.
     """
     outputs = flatten_keys(keys)
-    # the loop below runs once per task: plain dict lookups, no helper calls
+    # the loop below runs once per task: plain dict lookups, and helpers only on its rarer
+    # branches (a copy paid, a result's first spec)
     values = description.values
-    width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
-    threads = profile.cpu.threads
-    # each layer's chunks that run side by side, and its number (see _PAYER)
-    layer_of = {name: (max(min(n, threads), 1), i)
-                for i, (name, n) in enumerate(width.items(), start=1)}
+    layer_of = _layers_side_by_side(dsk, profile.cpu.threads)
     # what the keys eugo cannot reason about read (chunks, aliases, tasks eugo wrote) must be
     # on the host whatever is placed where
     read_by_undescribed = set().union(*[_reads(node, description)
@@ -400,7 +398,7 @@ def place(
     all_cpu = all_gpu = as_chosen = 0.0
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
     to_device = to_device_bytes = to_host = to_host_bytes = 0  # the copies made so far
-    kept: list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]] = []
+    kept: list[_Kept] = []
     # the described tasks in dependency order, their estimates, what they read and what they
     # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
@@ -446,8 +444,7 @@ def place(
         host_move = est.family == MOVEMENT and h2d > 0
         spec_codes = codes.get(id(spec))
         if spec_codes is None:
-            size = spec.nbytes << 2 if spec is not None else 0
-            spec_codes = codes[id(spec)] = (size, size | _ON_DEVICE, size | _ON_DEVICE | _COPIED)
+            spec_codes = codes[id(spec)] = _spec_codes(spec)
         # the margin applies to the work that moves: host work inside the task (a creation
         # fused into it) is paid either way, so a source fused into its one consumer and one
         # shared by several consumers (not fused) leave the consumer's placement alike
@@ -456,12 +453,10 @@ def place(
                                           >= min_speedup * (gpu_total - est.host_s)))):
             placement: Placement = GPU
             chosen = gpu_total - made  # (the totals count each copy once)
-            for d in host_paid:  # copied to the device (once, whoever pays)
-                code = seen[d]
-                if not code & _COPIED:
-                    to_device += 1
-                    to_device_bytes += (code >> 2) & _BYTES
-                seen[d] = (code & _UNPAID) | _COPIED | payer << _PAYER
+            if host_paid:  # copied to the device (once, whoever pays)
+                copies, copied_bytes = _mark_copied(seen, host_paid, payer)
+                to_device += copies
+                to_device_bytes += copied_bytes
             if est.in_bytes > input_bytes:  # (the chunks embedded in the task, with it)
                 to_device += 1
                 to_device_bytes += est.in_bytes - input_bytes
@@ -479,12 +474,10 @@ def place(
             chosen = cpu_total - made
             if host_move and est.in_bytes <= input_bytes:  # (see _moves_that_follow)
                 kept.append((k, inputs, est, spec, cpu_s, lanes))
-            for d in device_paid:  # copied back to the host (once, whoever pays)
-                code = seen[d]
-                if not code & _COPIED:
-                    to_host += 1
-                    to_host_bytes += (code >> 2) & _BYTES
-                seen[d] = (code & _UNPAID) | _COPIED | payer << _PAYER
+            if device_paid:  # copied back to the host (once, whoever pays)
+                copies, copied_bytes = _mark_copied(seen, device_paid, payer)
+                to_host += copies
+                to_host_bytes += copied_bytes
             seen[k] = spec_codes[0]
         all_cpu += cpu_s
         all_gpu += gpu_total if capable and not too_big else cpu_total
@@ -495,26 +488,21 @@ def place(
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
                                 else None, STAYS if host_move and placement == CPU else None)
     needed_on_host = _host_consumed(description, decisions, outputs, read_by_undescribed)
-    for k, _, est, spec, cpu_s, lanes in _moves_that_follow(kept, seen, needed_on_host):
-        decisions[k] = Decision(k, GPU, est, spec, cpu_s, 0.0, 0.0, lanes, 0.0, min_speedup,
-                                None, None, FOLLOWS)
-        on_gpu.append(k)
-        gpu_cpu_s += cpu_s
-        copy = (seen[k] >> 2) & _BYTES  # (the copy of its result for its GPU consumers)
-        to_device -= 1
-        to_device_bytes -= copy
-        as_chosen += est.gpu_s - cpu_s - h2d_s(copy)
+    follow = _moves_that_follow(kept, seen, needed_on_host)
+    if follow:
+        gpu_cpu_s, as_chosen, bytes_not_made = _place_moves_that_follow(
+            follow, seen, decisions, on_gpu, min_speedup, h2d_s, gpu_cpu_s, as_chosen)
+        to_device -= len(follow)
+        to_device_bytes -= bytes_not_made
     totals = {"all_cpu": all_cpu, "all_gpu": all_gpu, "as_chosen": as_chosen}
     if cold is not None and on_gpu and min_speedup != 0:
-        # The GPU tasks' CPU time against what placing them costs (their own device time and
-        # copies, and the copies back their CPU consumers pay): all_cpu - as_chosen apart.
-        startup = cold.seconds(len(on_gpu))
-        on_gpu_s = gpu_cpu_s - (all_cpu - as_chosen)
-        if startup > 0 and gpu_cpu_s < min_speedup * (on_gpu_s + startup):
+        not_starting = _not_worth_starting(cold, on_gpu, gpu_cpu_s, all_cpu - as_chosen,
+                                           min_speedup)
+        if not_starting is not None:
             # the same walk, every task on the CPU; those it would have offloaded say why
             return place(dsk, keys, description, profile=profile, min_speedup=min_speedup,
                          device=device, device_memory_bytes=device_memory_bytes,
-                         _not_starting=(frozenset(on_gpu), (startup, on_gpu_s, gpu_cpu_s)))
+                         _not_starting=not_starting)
 
     return Plan(
         decisions=decisions,
@@ -529,10 +517,77 @@ def place(
     )
 
 
-def _moves_that_follow(
-    kept: list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]],
-    seen: dict[Key, int], needed_on_host: set[Key],
-) -> list[tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]]:
+#: A data movement :func:`place` kept on the CPU, for :func:`_moves_that_follow`: its key,
+#: inputs, estimate, result's spec, CPU seconds and the chunks of its layer side by side.
+_Kept = tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]
+
+
+def _layers_side_by_side(dsk: Graph, threads: int) -> dict[Key, tuple[int, int]]:
+    """For each layer of ``dsk`` (by name), its chunks that run side by side on ``threads``
+    threads, and its number (from 1, in the order of ``dsk``: see ``_PAYER``)."""
+    width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
+    return {name: (max(min(n, threads), 1), i)
+            for i, (name, n) in enumerate(width.items(), start=1)}
+
+
+def _spec_codes(spec: ArraySpec | None) -> tuple[int, int, int]:
+    """The codes (see ``seen`` in :func:`place`) of a result of ``spec``: on the host, on the
+    device, on the device and copied back."""
+    size = spec.nbytes << 2 if spec is not None else 0
+    return (size, size | _ON_DEVICE, size | _ON_DEVICE | _COPIED)
+
+
+def _mark_copied(seen: dict[Key, int], paid: list[Key], payer: int) -> tuple[int, int]:
+    """Mark the keys ``paid`` copied to the other side (once, whoever pays), their copy paid by
+    layer ``payer``: the copies not made before, and their bytes."""
+    copies = copied_bytes = 0
+    for d in paid:
+        code = seen[d]
+        if not code & _COPIED:
+            copies += 1
+            copied_bytes += (code >> 2) & _BYTES
+        seen[d] = (code & _UNPAID) | _COPIED | payer << _PAYER
+    return copies, copied_bytes
+
+
+def _place_moves_that_follow(follow: list[_Kept], seen: dict[Key, int],
+                             decisions: dict[Key, Decision], on_gpu: list[Key],
+                             min_speedup: float, h2d_s: Callable[[int], float],
+                             gpu_cpu_s: float, as_chosen: float) -> tuple[float, float, int]:
+    """Put on the device the moves that follow their inputs there (:func:`_moves_that_follow`):
+    their decisions, and on ``on_gpu``. Returns ``gpu_cpu_s`` (the CPU time of the tasks on the
+    GPU) and ``as_chosen`` (the plan's seconds) with them counted (added up in the walk's
+    order), and the bytes of their results' copies to the device that are not made."""
+    bytes_not_made = 0
+    for k, _, est, spec, cpu_s, lanes in follow:
+        decisions[k] = Decision(k, GPU, est, spec, cpu_s, 0.0, 0.0, lanes, 0.0, min_speedup,
+                                None, None, FOLLOWS)
+        on_gpu.append(k)
+        gpu_cpu_s += cpu_s
+        copy = (seen[k] >> 2) & _BYTES  # (the copy of its result for its GPU consumers)
+        bytes_not_made += copy
+        as_chosen += est.gpu_s - cpu_s - h2d_s(copy)
+    return gpu_cpu_s, as_chosen, bytes_not_made
+
+
+def _not_worth_starting(cold: ColdStart, on_gpu: list[Key], gpu_cpu_s: float,
+                        saved_s: float, min_speedup: float
+                        ) -> tuple[frozenset[Key], tuple[float, float, float]] | None:
+    """Where starting the device does not pay for a plan's GPU tasks (``on_gpu``): their CPU
+    time (``gpu_cpu_s``) against what placing them costs (their own device time and copies,
+    and the copies back their CPU consumers pay: ``gpu_cpu_s`` less ``saved_s``, what the plan
+    saves against all on the CPU) with the start added, by ``min_speedup``. Returns those tasks
+    and (start, their seconds placed, their CPU seconds), as :func:`place` takes them to say why
+    they stay on the CPU; None where the start pays."""
+    startup = cold.seconds(len(on_gpu))
+    on_gpu_s = gpu_cpu_s - saved_s
+    if startup > 0 and gpu_cpu_s < min_speedup * (on_gpu_s + startup):
+        return frozenset(on_gpu), (startup, on_gpu_s, gpu_cpu_s)
+    return None
+
+
+def _moves_that_follow(kept: list[_Kept], seen: dict[Key, int],
+                       needed_on_host: set[Key]) -> list[_Kept]:
     """The data movement :func:`place` kept on the CPU (its inputs were on the host when the
     walk reached it) that runs on the device after all: every input was then copied there for
     its other consumers, and every consumer of its result runs there (its result was copied to

@@ -25,7 +25,7 @@ import functools
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -242,17 +242,13 @@ def _check_number(where: str, value: Any, kind: str) -> None:
 
 
 def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
-    if not isinstance(data, Mapping):
-        raise ProfileError(
-            f"{_CONFIG_KEY}: '{section}' must be a mapping with fields {sorted(fields)}; "
-            f"got {type(data).__name__}"
-        )
-    unknown = set(data) - set(fields)
-    if unknown:
-        raise ProfileError(
-            f"{_CONFIG_KEY}: unknown field(s) {sorted(unknown)} in '{section}'; "
-            f"allowed: {sorted(fields)}"
-        )
+    """Check a profile's section ``section`` against ``fields`` (field -> kind; ``?`` after a
+    kind: optional): a mapping of known fields, each present unless optional, of its kind."""
+    _check_keys(data, fields,
+                f"'{section}' must be a mapping with fields {sorted(fields)}; "
+                f"got {type(data).__name__}",
+                lambda unknown: f"unknown field(s) {unknown} in '{section}'; "
+                                f"allowed: {sorted(fields)}")
     for field, kind in fields.items():
         where = f"{section}.{field}"
         optional = kind.endswith("?")
@@ -261,55 +257,77 @@ def _check_section(section: str, data: Any, fields: Mapping[str, str]) -> None:
             if optional:
                 continue
             raise ProfileError(f"{_CONFIG_KEY}: '{where}' is missing (kind: {kind})")
-        value = data[field]
-        if kind == "str":
-            if not isinstance(value, str):
-                raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
-        elif kind == "str-list":
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise ProfileError(f"{_CONFIG_KEY}: {where} must be a list of strings; got {value!r}")
-        elif kind == "bool":
-            if not isinstance(value, bool):
-                raise ProfileError(f"{_CONFIG_KEY}: {where} must be true or false; got {value!r}")
-        elif kind == "class-rates":
-            if not isinstance(value, Mapping) or not all(
-                isinstance(v, Mapping) for v in value.values()
-            ):
-                raise ProfileError(
-                    f"{_CONFIG_KEY}: {where} must map dtypes to {{ufunc class: seconds}}; got {value!r}"
-                )
-            for dtype, classes in value.items():
-                for name, points in classes.items():
-                    if isinstance(points, list):  # [[elements, seconds per element], ...]
-                        for i, point in enumerate(points):
-                            if not (isinstance(point, (list, tuple)) and len(point) == 2):
-                                raise ProfileError(
-                                    f"{_CONFIG_KEY}: {where}.{dtype}.{name}[{i}] must be "
-                                    f"[elements, seconds per element]; got {point!r}"
-                                )
-                            _check_number(f"{where}.{dtype}.{name}[{i}]", point[0], "positive")
-                            _check_number(f"{where}.{dtype}.{name}[{i}]", point[1], "positive")
-                    else:
-                        _check_number(f"{where}.{dtype}.{name}", points, "positive")
-        elif kind == "rates":
-            if not isinstance(value, Mapping):
-                raise ProfileError(
-                    f"{_CONFIG_KEY}: {where} must map dtypes {list(_RATE_DTYPES)} to rates; "
-                    f"got {value!r}"
-                )
-            bad = set(value) - set(_RATE_DTYPES)
-            if bad:
-                raise ProfileError(
-                    f"{_CONFIG_KEY}: {where} has unknown dtype(s) {sorted(bad)}; "
-                    f"allowed: {list(_RATE_DTYPES)}"
-                )
-            for dtype in ("float32", "float64"):
-                if dtype not in value:
-                    raise ProfileError(f"{_CONFIG_KEY}: '{where}.{dtype}' is missing")
-            for dtype, rate in value.items():
-                _check_number(f"{where}.{dtype}", rate, "positive")
-        else:
-            _check_number(where, value, kind)
+        _check_field(where, data[field], kind)
+
+
+def _check_keys(data: Any, allowed: Iterable[str], not_mapping: str,
+                unknown: Callable[[list[Any]], str]) -> None:
+    """Raise :class:`ProfileError` saying ``not_mapping`` where ``data`` is not a mapping, or
+    ``unknown(its keys not allowed, sorted)`` where it has any."""
+    if not isinstance(data, Mapping):
+        raise ProfileError(f"{_CONFIG_KEY}: {not_mapping}")
+    bad = set(data) - set(allowed)
+    if bad:
+        raise ProfileError(f"{_CONFIG_KEY}: {unknown(sorted(bad))}")
+
+
+def _check_field(where: str, value: Any, kind: str) -> None:
+    """Check the value of the field ``where`` against its kind: a string, a list of strings,
+    a boolean, rates by dtype and ufunc class (``class-rates``), rates by dtype (``rates``), or
+    a number (:func:`_check_number`'s kinds)."""
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ProfileError(f"{_CONFIG_KEY}: {where} must be a string; got {value!r}")
+    elif kind == "str-list":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ProfileError(f"{_CONFIG_KEY}: {where} must be a list of strings; got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise ProfileError(f"{_CONFIG_KEY}: {where} must be true or false; got {value!r}")
+    elif kind == "class-rates":
+        _check_class_rates(where, value)
+    elif kind == "rates":
+        _check_rates(where, value)
+    else:
+        _check_number(where, value, kind)
+
+
+def _check_class_rates(where: str, value: Any) -> None:
+    """``{dtype: {name: seconds}}``, or ``{dtype: {name: [[size, seconds per unit], ...]}}``:
+    every figure a positive number."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(v, Mapping) for v in value.values()
+    ):
+        raise ProfileError(
+            f"{_CONFIG_KEY}: {where} must map dtypes to {{ufunc class: seconds}}; got {value!r}"
+        )
+    for dtype, classes in value.items():
+        for name, points in classes.items():
+            if isinstance(points, list):  # [[elements, seconds per element], ...]
+                for i, point in enumerate(points):
+                    if not (isinstance(point, (list, tuple)) and len(point) == 2):
+                        raise ProfileError(
+                            f"{_CONFIG_KEY}: {where}.{dtype}.{name}[{i}] must be "
+                            f"[elements, seconds per element]; got {point!r}"
+                        )
+                    _check_number(f"{where}.{dtype}.{name}[{i}]", point[0], "positive")
+                    _check_number(f"{where}.{dtype}.{name}[{i}]", point[1], "positive")
+            else:
+                _check_number(f"{where}.{dtype}.{name}", points, "positive")
+
+
+def _check_rates(where: str, value: Any) -> None:
+    """``{dtype: rate}``: float32 and float64 at least, only :data:`_RATE_DTYPES`, every rate
+    a positive number."""
+    _check_keys(value, _RATE_DTYPES,
+                f"{where} must map dtypes {list(_RATE_DTYPES)} to rates; got {value!r}",
+                lambda unknown: f"{where} has unknown dtype(s) {unknown}; "
+                                f"allowed: {list(_RATE_DTYPES)}")
+    for dtype in ("float32", "float64"):
+        if dtype not in value:
+            raise ProfileError(f"{_CONFIG_KEY}: '{where}.{dtype}' is missing")
+    for dtype, rate in value.items():
+        _check_number(f"{where}.{dtype}", rate, "positive")
 
 
 def validate_profile_dict(data: Any, *, require_cpu: bool = True) -> None:

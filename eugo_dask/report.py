@@ -13,9 +13,9 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from html import escape
-from typing import Protocol
+from typing import Literal, Protocol
 
-from eugo_dask.ops import GPU
+from eugo_dask.ops import CPU, GPU, DeviceSetting, Family, Placement
 
 #: The what-if totals a plan carries, with the words that name them.
 TOTALS = (("all-CPU", "all_cpu"), ("all-GPU", "all_gpu"), ("as chosen", "as_chosen"))
@@ -27,9 +27,9 @@ class TaskRecord(Protocol):
     @property
     def prefix(self) -> str: ...
     @property
-    def op(self) -> str: ...
+    def op(self) -> Family: ...
     @property
-    def device(self) -> str: ...
+    def device(self) -> Placement: ...
     @property
     def cpu_s(self) -> float: ...
     @property
@@ -67,7 +67,7 @@ class PlanRow:
     """One task prefix of a plan."""
 
     prefix: str
-    op: str
+    op: Family
     tasks: int
     on_gpu: int
     cpu_s: float
@@ -77,9 +77,9 @@ class PlanRow:
     reason: str  # the first task's
 
     @property
-    def placement(self) -> str:
+    def placement(self) -> Placement | Literal[""]:
         """``gpu``/``cpu`` where every task of the prefix went one way, else empty."""
-        return GPU if self.on_gpu == self.tasks else "cpu" if not self.on_gpu else ""
+        return GPU if self.on_gpu == self.tasks else CPU if not self.on_gpu else ""
 
 
 def plan_rows(records: Iterable[TaskRecord]) -> list[PlanRow]:
@@ -104,7 +104,8 @@ def _totals_text(totals: Mapping[str, float]) -> str:
     return ", ".join(f"{name} {format_seconds(totals.get(key, math.inf))}" for name, key in TOTALS)
 
 
-def plan_heading(*, tasks: int, profile: str, device: str | None, min_speedup: float) -> str:
+def plan_heading(*, tasks: int, profile: str, device: DeviceSetting | None,
+                 min_speedup: float) -> str:
     return (f"eugo plan: {tasks} tasks, profile {profile}, device "
             f"{device or 'none (the graph would run unchanged)'}, min-speedup {min_speedup:g}")
 

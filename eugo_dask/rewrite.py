@@ -45,6 +45,7 @@ from eugo_dask.graph import (
     keeps_its_name,
     new_task,
     shuffle_id_of,
+    substitute_keys,
     with_shuffle_id,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
@@ -326,22 +327,29 @@ class Rewritten(NamedTuple):
                 for k, d in self.plan.decisions.items()}
 
 
-class _DeviceRefs(dict[Key, TaskRef]):
-    """A GPU task's key, or a key read by one (an alias, a host result) -> a reference to its
-    device copy; a host result's copy task is written (into ``out``, with its role and origin)
-    the first time it is asked for. One reference per copy, shared by its consumers.
+class _Transfers(dict[Key, TaskRef]):
+    """The copies between host and device a rewrite writes (into ``out``, each with its role
+    and origin).
+
+    As a dict: a GPU task's key, or a key read by one (an alias, a host result) -> a reference
+    to its device copy; a host result's copy task is written the first time it is asked for.
+    One reference per copy, shared by its consumers. :meth:`copy_back` writes a GPU result's
+    copy back to the host.
 
     A class of its own rather than one made inside :func:`rewrite_graph`: a class is a
     reference cycle, and one closing over the graph being written would keep that graph and the
     plan alive until the cyclic collector ran."""
 
     def __init__(self, plan: Plan, targets: dict[Key, Key], out: dict[Key, GraphNode],
-                 roles: dict[Key, RoleEntry], origin: dict[Key, Key], device: str,
+                 roles: dict[Key, RoleEntry], outputs: set[Key], device: str,
                  token: str) -> None:
         super().__init__()
-        self.plan, self.targets, self.out = plan, targets, out
-        self.roles, self.origin, self.device, self.token = roles, origin, device, token
-        self.to_device_keys: list[Key] = []  # the copy tasks written, in order
+        self.plan, self.targets, self.out, self.roles = plan, targets, out, roles
+        self.outputs, self.device, self.token = outputs, device, token
+        self.origin: dict[Key, Key] = {}  # a copy written -> the original key it stands in for
+        self.to_device_keys: list[Key] = []  # the copy tasks to the device written, in order
+        # a key whose copy back took its place -> the copy's key
+        self.copied_back: dict[Key, Key] = {}
 
     def __missing__(self, dep: Key) -> TaskRef:
         source: Key = self.targets.get(dep, dep)
@@ -361,6 +369,21 @@ class _DeviceRefs(dict[Key, TaskRef]):
         self[dep] = ref
         return ref
 
+    def copy_back(self, key: Key, device_key: Key) -> None:
+        """The result of the GPU task ``key`` (run as ``device_key``) copied back to the host,
+        for an output or a CPU consumer; the copy gets a prefix of its own (the task stream
+        tells it apart)."""
+        host_key = prefixed_key(key, D2H_PREFIX, self.token)
+        copy_back = _copy_task(host_key, to_host, device_key, self.device)
+        self.roles[host_key] = (TOHOST_ROLE, None, None)
+        self.origin[host_key] = key
+        if key in self.outputs:  # the caller reads the original key: an alias of the copy
+            self.out[host_key] = copy_back
+            self.out[key] = Alias(key, host_key)
+        else:  # in the original key's place, which CPU consumers read under its name
+            self.out[key] = copy_back
+            self.copied_back[key] = host_key
+
 
 def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, original: Graph,
                   outputs: set[Key], how: Rewrite) -> Rewritten:
@@ -373,23 +396,21 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     out = dict(dsk)
     decisions = plan.decisions
     host_needed = plan.host_needed
-    order, targets = description.order, description.targets
     roles: dict[Key, RoleEntry] = {}
     # one entry per role and estimates, shared by the tasks that have them (a layer's chunks):
     # the roles live as long as the graph does
     entries: dict[RoleEntry, RoleEntry] = {}
-    origin: dict[Key, Key] = {}  # a copy eugo writes -> the original key it stands in for
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
     # one DeviceCall per function and layer, and the layer's device name: by function and
     # layer, and the last one by layer (a layer has one function: one lookup by its name)
-    calls: dict[tuple[int, Any], tuple[DeviceCall, str]] = {}
-    layer_calls: dict[Any, tuple[DeviceCall, str]] = {}
-
-    copied_back: dict[Key, Key] = {}  # a key whose copy back took its place -> the copy's key
-    on_device = _DeviceRefs(plan, targets, out, roles, origin, device, token)
+    calls: dict[tuple[int, Key], tuple[DeviceCall, Key]] = {}
+    layer_calls: dict[Key, tuple[DeviceCall, Key]] = {}
+    on_device = _Transfers(plan, description.targets, out, roles, outputs, device, token)
     # The loop runs once per task of graphs a million tasks large: what one task of a layer
     # works out (its DeviceCall, its device name, its fused inner graph on the device), every
     # task shares; the device task is made with the dependencies already known (new_task).
+    # What is rarer (a task other than a fused one of plain inputs, a layer's first task, a
+    # copy back) is a helper of its own.
     device_copy = on_device.__getitem__
     # (one decision per described task, in the order of the description's nodes)
     for (key, decision), node in zip(decisions.items(), description.task_nodes, strict=True):
@@ -421,65 +442,87 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = NO_KWARGS
         else:
-            rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
-                         else _nested_on_device(a, on_device, node.dependencies, reads)
-                         if isinstance(a, GraphNode)
-                         else a
-                         for a in args]
-            kwargs = ({k: _substituted(v, on_device) for k, v in node.kwargs.items()}
-                      if node.kwargs else NO_KWARGS)
-            parts = fused(node)
-            if parts is not None:
-                inner = parts.inner
-                if id(inner) not in inner_on_device:
-                    inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
-                rewritten[0] = inner_on_device[id(inner)]
-            args = tuple(rewritten)
+            args, kwargs = _arguments_on_device(node, on_device, reads, inner_on_device, device)
         name = key[0] if type(key) is tuple else key
         call = layer_calls.get(name)
         if call is None or call[0].func is not func:
-            call = calls.get((id(func), name))
-            if call is None:
-                call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
-                                                  prefixed_key(name, GPU_PREFIX, token))
-            layer_calls[name] = call
+            call = layer_calls[name] = _device_call(calls, func, key, name, device, token)
         device_key = (call[1], *key[1:]) if type(key) is tuple else call[1]
         out[device_key] = new_task(device_key, call[0], args, kwargs, reads, node.data_producer)
         on_device[key] = TaskRef(device_key)
         entry = (GPU_ROLE, decision.cpu_s, decision.gpu_total_s)
         roles[device_key] = entries.setdefault(entry, entry)
         if key in host_needed:
-            # the copy back gets a prefix of its own (the task stream tells it apart)
-            host_key = prefixed_key(key, D2H_PREFIX, token)
-            copy_back = _copy_task(host_key, to_host, device_key, device)
-            roles[host_key] = (TOHOST_ROLE, None, None)
-            origin[host_key] = key
-            if key in outputs:  # the caller reads the original key: an alias of the copy
-                out[host_key] = copy_back
-                out[key] = Alias(key, host_key)
-            else:  # in the original key's place, which CPU consumers read under its name
-                out[key] = copy_back
-                copied_back[key] = host_key
+            on_device.copy_back(key, device_key)
         else:
             del out[key]
-    # Aliases of results that stay on the device had only GPU consumers, now rewired.
+    _drop_aliases_on_device(out, description.targets, plan)
+    renames, readers, shuffle_ids = _renames(out, description.order, original, outputs,
+                                             on_device.to_device_keys, token,
+                                             on_device.copied_back)
+    graph = _renamed_graph(out, renames, readers, shuffle_ids)
+    for old, new in renames.items():
+        if old in roles:
+            roles[new] = roles.pop(old)
+    carried = _carried_by_final_keys(how.carried, renames, on_device) if how.carried else {}
+    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources)),
+                     plan, on_device, renames)
+
+
+def _arguments_on_device(node: Task, on_device: _Transfers, reads: frozenset[Key],
+                         inner_on_device: dict[int, dict[Key, GraphNode]], device: str
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments and keyword arguments of a GPU task other than a fused one reading plain
+    references and literals, each reading the device copies of the keys it reads (``reads``:
+    the references to those); a fused task's inner graph with its sources on the device
+    (``inner_on_device``: those made so far, by the inner graph's id)."""
+    rewritten = [on_device[a.key] if isinstance(a, TaskRef)  # a Future is one too
+                 else _nested_on_device(a, on_device, node.dependencies, reads)
+                 if isinstance(a, GraphNode)
+                 else a
+                 for a in node.args]
+    kwargs = ({k: _substituted(v, on_device) for k, v in node.kwargs.items()}
+              if node.kwargs else NO_KWARGS)
+    parts = fused(node)
+    if parts is not None:
+        inner = parts.inner
+        if id(inner) not in inner_on_device:
+            inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
+        rewritten[0] = inner_on_device[id(inner)]
+    return tuple(rewritten), kwargs
+
+
+def _device_call(calls: dict[tuple[int, Key], tuple[DeviceCall, Key]], func: Any, key: Key,
+                 name: Key, device: str, token: str) -> tuple[DeviceCall, Key]:
+    """The ``DeviceCall`` of ``func`` in layer ``name`` (``key`` one of its tasks) and the
+    layer's name on the device: made once per function and layer (``calls``)."""
+    call = calls.get((id(func), name))
+    if call is None:
+        call = calls[(id(func), name)] = (DeviceCall(func, device, key_split(key)),
+                                          prefixed_key(name, GPU_PREFIX, token))
+    return call
+
+
+def _drop_aliases_on_device(out: dict[Key, GraphNode], targets: dict[Key, Key],
+                            plan: Plan) -> None:
+    """Drop from ``out`` the aliases of results that stay on the device: they had only GPU
+    consumers, now rewired to the device tasks."""
+    decisions, host_needed = plan.decisions, plan.host_needed
     for key, source in targets.items():
         placed = decisions.get(source)
         if placed is not None and placed.device == GPU and source not in host_needed:
             del out[key]
 
-    renames, readers, shuffle_ids = _renames(out, order, original, outputs,
-                                             on_device.to_device_keys, token, copied_back)
-    graph = _renamed_graph(out, renames, readers, shuffle_ids)
-    if renames:
-        for old, new in renames.items():
-            if old in roles:
-                roles[new] = roles.pop(old)
-    if how.carried:  # the user's annotations of a GPU task go to its device task too
-        origin.update({on_device[k].key: k for k, d in decisions.items() if d.device == GPU})
-    carried = _carried(how.carried, renames, origin) if how.carried else {}
-    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources)),
-                     plan, on_device, renames)
+
+def _carried_by_final_keys(user: dict[str, dict[Key, Any]], renames: dict[Key, Key],
+                           transfers: _Transfers) -> dict[str, dict[Key, Any]]:
+    """The user's annotations (type -> key -> value) by the keys of the rewritten graph: a GPU
+    task's go to its device task too, and a copy's are those of the key it stands in for
+    (see :func:`_carried`)."""
+    origin = dict(transfers.origin)
+    origin.update({transfers[k].key: k for k, d in transfers.plan.decisions.items()
+                   if d.device == GPU})
+    return _carried(user, renames, origin)
 
 
 def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
@@ -572,7 +615,7 @@ def _renamed_node(key: Key, node: GraphNode, renames: dict[Key, Key]) -> GraphNo
         return Alias(new_key, renames.get(target, target))
     if type(node) is Task:
         return _renamed_task(node, renames, new_key)
-    return node.substitute(renames, key=new_key)
+    return substitute_keys(node, renames, new_key)
 
 
 def _renamed_task(node: Task, renames: dict[Key, Key], key: Key) -> Task:
@@ -595,7 +638,9 @@ def _renamed_arg(arg: Any, subs: dict[Key, Key]) -> Any:
     """A task's argument with the keys it reads renamed (``subs``: only those it reads)."""
     if type(arg) is Task:
         return _renamed_task(arg, subs, arg.key)
-    if isinstance(arg, (GraphNode, TaskRef)):  # (a distributed Future is a TaskRef too)
+    if isinstance(arg, GraphNode):
+        return substitute_keys(arg, subs)
+    if isinstance(arg, TaskRef):  # (a distributed Future is one too)
         return arg.substitute(subs)
     return arg
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.base import tokenize
 
-from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, ChunkInfo, Fused, Key, fused
+from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, ChunkInfo, Fused, Key, fused, substitute_keys
 from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node
 
 
@@ -108,7 +108,7 @@ def _split_reads(key: Key, node: Task, parts: Fused, template: ReadTemplate,
     new_inkeys, new_deps = [p for p, _ in kept], [d for _, d in kept]
     tasks: dict[Key, GraphNode] = {}
     for inner_key in template.reads:
-        read = parts.inner[inner_key].substitute(bound)
+        read = substitute_keys(parts.inner[inner_key], bound)
         assert isinstance(read, Task)
         read_key = _read_key(inner_key, read, chunks)
         tasks[read_key] = Task(read_key, read.func, *read.args,
