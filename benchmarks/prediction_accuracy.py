@@ -20,11 +20,11 @@ from functools import partial
 import _common
 import numpy as np
 
+from eugo_dask import load_profile
 from eugo_dask.calibrate import calibrate
 from eugo_dask.cost_model import Op, Step, estimate_task
 from eugo_dask.graph import ArraySpec
 from eugo_dask.measure import FULL_SIZES, QUICK_SIZES, best_seconds
-from eugo_dask.profile import load_profile
 
 RNG = np.random.default_rng(1)
 

@@ -6,17 +6,18 @@
 ...     result = (a @ b).sum().compute()
 
 Importing this package registers the ``eugo.*`` config defaults and the bridge that runs the
-``optimizations`` config list (see :mod:`eugo_dask.optimization`); with that list empty no graph
+``optimizations`` config list (see :mod:`eugo_dask.array_optimize`); with that list empty no graph
 changes. CuPy is imported only when a CuPy device is asked for.
 """
 
 from eugo_dask._version import __version__
-from eugo_dask.config import Settings, read_settings, register_defaults
+from eugo_dask.array_optimize import bridge, install_bridge, warn_if_array_expressions
+from eugo_dask.config import Settings, load_profile, read_settings, register_defaults
 from eugo_dask.devices import device_stats, reset_device_stats
 from eugo_dask.devices.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryError
-from eugo_dask.optimization import bridge, eugo, explain, install_bridge, warn_if_array_expressions
+from eugo_dask.optimization import eugo, explain
 from eugo_dask.plan import Decision, Plan
-from eugo_dask.profile import PRESETS, Profile, ProfileError, load_profile
+from eugo_dask.profile import PRESETS, Profile, ProfileError
 
 register_defaults()
 install_bridge()

@@ -101,8 +101,7 @@ def _check_settings(settings: dict[str, Any]) -> None:
     """Report a bad --profile or --min-speedup as one line naming the setting."""
     import dask
 
-    from eugo_dask.config import read_settings
-    from eugo_dask.profile import load_profile
+    from eugo_dask.config import load_profile, read_settings
 
     try:
         with dask.config.set({f"eugo.{k.replace('_', '-')}": v for k, v in settings.items()}):

@@ -15,7 +15,8 @@ import:
   caches, idle release, staging buffers): what a worker's own settings allow inside a task;
   :func:`worker_setting_problems` checks them where a worker starts;
 - :func:`resolve_profile`: ``auto`` -> the preset for the local CUDA device's exact model;
-- :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``.
+- :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``;
+- :func:`load_profile`: a profile loaded, the local CPU measured where it has no ``cpu`` section.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import difflib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar, cast
 
@@ -42,8 +43,10 @@ from eugo_dask.devices import (
     cupy_device_name,
     resolve_device_name,
 )
+from eugo_dask.measure import cached_local_cpu
 from eugo_dask.ops import DeviceSetting
-from eugo_dask.profile import PRESETS, check_profile_spec, preset_for_device
+from eugo_dask.profile import PRESETS, Profile, check_profile_spec, preset_for_device
+from eugo_dask.profile import load_profile as _load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -403,6 +406,13 @@ def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
     return spec
 
 
+def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
+    """Load the profile ``spec`` (:func:`eugo_dask.profile.load_profile`), the local CPU measured
+    once and cached per machine (:func:`eugo_dask.measure.cached_local_cpu`) where it has no
+    ``cpu`` section."""
+    return _load_profile(spec, local_cpu=cached_local_cpu)
+
+
 @functools.cache
 def _warn_unknown_device(name: str, preset: str) -> None:
     logger.warning("eugo: no preset for the CUDA device %r: planning with the %s preset's figures "
@@ -410,5 +420,5 @@ def _warn_unknown_device(name: str, preset: str) -> None:
                    "eugo.profile to its profile", name, preset)
 
 
-__all__ = ["PRESETS", "Settings", "device_settings", "emulated_device_count", "read_settings",
-           "register_defaults", "resolve_profile", "schema"]
+__all__ = ["PRESETS", "Settings", "device_settings", "emulated_device_count", "load_profile",
+           "read_settings", "register_defaults", "resolve_profile", "schema"]

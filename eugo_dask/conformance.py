@@ -200,7 +200,7 @@ def _function_sources(path: Path) -> dict[str, str]:
 def _activity() -> dict[str, int]:
     """What eugo has done in this process so far (counters that only grow)."""
     from eugo_dask import device_stats
-    from eugo_dask.optimization import pass_stats
+    from eugo_dask.pass_log import pass_stats
 
     stats = device_stats()
     return {"device_tasks": stats["tasks"], "fallbacks": stats["fallbacks"], **pass_stats(), **_clusters}

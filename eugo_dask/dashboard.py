@@ -4,7 +4,8 @@ Installed by ``dask scheduler --preload eugo_dask.plugin`` (preloads are importe
 dashboard is built, so the page and the link exist from the start). Registering the plugin from a
 client later adds the counters but cannot add a page to a dashboard already serving.
 
-Live, every half second, from the scheduler plugin and the plans the eugo pass made here:
+Live, every half second, from the scheduler plugin's summary (``scheduler.plugins["eugo"]``),
+which also hands on the plans the eugo pass made in this process (:mod:`eugo_dask.pass_log`):
 
 - tasks that ran on a GPU and on the CPU per task prefix, as workers report them;
 - bytes copied host->device and device->host;
@@ -19,8 +20,6 @@ from __future__ import annotations
 import logging
 from html import escape
 from typing import Any
-
-from eugo_dask.optimization import recent_plans
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +215,7 @@ class EugoDashboard:
                                       "could not be read (see the scheduler's log); the figures "
                                       "below are from the last tick that could.</p>")
             return
-        runs = list(recent_plans)
+        runs = summary.get("plans", [])  # the plans the pass made here, as the plugin hands them
         for component in self.components:
             try:
                 component.update(summary, runs)
@@ -227,7 +226,7 @@ class EugoDashboard:
 
 _EMPTY: dict[str, Any] = {"tasks": {}, "bytes_h2d": 0, "bytes_d2h": 0, "prefixes": {},
                           "fallbacks": {}, "fallback_reasons": {}, "warnings": [],
-                          "estimated_saved_s": 0.0}
+                          "estimated_saved_s": 0.0, "plans": []}
 
 
 def eugo_doc(scheduler: Any, extra: dict, doc: Any) -> None:

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from eugo_dask.optimization import pass_stats
+from eugo_dask.pass_log import pass_stats
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
-from eugo_dask.optimization import recent_plans
+from eugo_dask.pass_log import recent_plans
 from eugo_dask.rewrite import CPU_ROLE, DEVICE_ROLES, GPU_ROLE, HOST_ROLE
 from eugo_dask.runtime import (
     EVENT_TOPIC,
@@ -543,7 +543,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "invalid_settings": dict(self.invalid_settings),
             "warnings": list(self.warnings),
             "errors": self.errors,
-            "plans": [dict(p) for p in recent_plans],
+            "plans": recent_plans(),  # the pass's, in this process (the dashboard shows them)
         }
 
 

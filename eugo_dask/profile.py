@@ -10,11 +10,13 @@ A profile is selected with ``dask.config.set({"eugo.profile": NAME_OR_PATH_OR_DI
 - a dict in the same format; ``base: PRESET`` starts from a preset and overrides its fields.
 
 A profile's ``cpu`` section is a dict, the name of a CPU preset (``server-x86``), or absent, in
-which case the local CPU is measured once (under a second, :mod:`eugo_dask.measure`) and cached
-per machine. The format is documented in the README; :func:`validate_profile_dict` checks it and
-names what is wrong.
+which case the local CPU's figures come from whoever loads the profile (``local_cpu`` of
+:func:`load_profile`; :func:`eugo_dask.config.load_profile`, which ``eugo_dask.load_profile`` is,
+measures the local CPU once, under a second, and caches it per machine). The format is
+documented in the README; :func:`validate_profile_dict` checks it and names what is wrong.
 
-This module holds data, validation and loading only; what the numbers mean for a task is the cost
+This module holds data, validation and loading only: it measures nothing (it imports neither
+:mod:`eugo_dask.measure` nor the devices), and what the numbers mean for a task is the cost
 model's job.
 """
 
@@ -34,7 +36,6 @@ from typing import Any
 import numpy as np
 import yaml
 
-from eugo_dask.measure import cached_local_cpu
 from eugo_dask.ops import UFUNC_CLASS
 
 #: GPU presets shipped with the package (spec-sheet figures).
@@ -549,8 +550,15 @@ def _build(data: Mapping[str, Any], cpu: Mapping[str, Any]) -> Profile:
     )
 
 
+#: What loading a profile without a ``cpu`` section calls for the local CPU's section, as
+#: ``local_cpu(accept=check)``: ``check`` says whether a cached reading is one this version can
+#: use (:func:`eugo_dask.measure.cached_local_cpu`, handed in by the caller).
+LocalCPU = Callable[..., dict[str, Any]]
+
+
 @functools.lru_cache(maxsize=64)
-def _load_cached(frozen: str, version: tuple[int, ...] | None) -> Profile:
+def _load_cached(frozen: str, version: tuple[int, ...] | None,
+                 local_cpu: LocalCPU | None) -> Profile:
     # version (the file's change time, modification time, size and inode) is part of the cache
     # key only: an edited profile file is read again, also one whose modification time was
     # kept (cp -p, rsync -t, tar x), since writing it changes its change time
@@ -558,7 +566,10 @@ def _load_cached(frozen: str, version: tuple[int, ...] | None) -> Profile:
     data = profile_dict(spec)
     cpu = data.get("cpu")
     if cpu is None:
-        cpu_data = cached_local_cpu(accept=_valid_cpu_section)
+        if local_cpu is None:
+            raise ProfileError(f"{_CONFIG_KEY}: this profile has no cpu section, and nothing was "
+                               "handed in to measure the local CPU (eugo_dask.load_profile does)")
+        cpu_data = local_cpu(accept=_valid_cpu_section)
     elif isinstance(cpu, str):
         cpu_data = _read_packaged(f"{cpu}.cpu.yaml")
     else:
@@ -574,8 +585,11 @@ def _valid_cpu_section(data: dict[str, Any]) -> bool:
     return True
 
 
-def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
-    """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc)."""
+def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any], *,
+                 local_cpu: LocalCPU | None = None) -> Profile:
+    """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc).
+    ``local_cpu`` gives the ``cpu`` section of a profile that has none (see :data:`LocalCPU`);
+    without it such a profile raises :class:`ProfileError`."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     try:
@@ -591,7 +605,7 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
             version = (stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size, stat.st_ino)
         except OSError:
             pass  # profile_dict names the problem
-    return _load_cached(frozen, version)
+    return _load_cached(frozen, version, local_cpu)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from eugo_dask.config import (
     emulated_memory_limit,
     process_device,
 )
+from eugo_dask.context import context_meter, current_worker
 from eugo_dask.devices import (
     CupyDevice,
     Device,
@@ -113,7 +114,7 @@ def get_device(name: str) -> Device | None:
                 else:
                     return None
             device = _devices[key]
-    worker = _current_worker()
+    worker = current_worker()
     if worker is not None:
         # its spill buffer weighs values by host bytes only (idempotent, per worker), and
         # eugo's worker plugin drives the idle release from its event loop: no thread of
@@ -193,7 +194,7 @@ def _adopt_planned_settings(name: str) -> None:
     processes scheduler's pool process): take the ``eugo.*`` settings it was planned under."""
     if type(name) is str or not isinstance(name, PlannedDevice) or name.pid == os.getpid():
         return
-    if (_adopted and _adopted[0] == name.settings) or _current_worker() is not None:
+    if (_adopted and _adopted[0] == name.settings) or current_worker() is not None:
         return
     dask.config.update(dask.config.config, {"eugo": copy.deepcopy(name.settings)})
     _adopted[:] = [name.settings]
@@ -262,22 +263,8 @@ def why_no_device(name: str) -> str:
     return f"no {name} device"
 
 
-_meter = None
-
-
-def _context_meter():
-    """distributed's context meter (Fine Performance Metrics on the dashboard); imported on
-    first use so ``import eugo_dask`` stays light."""
-    global _meter
-    if _meter is None:
-        from distributed.metrics import context_meter
-
-        _meter = context_meter
-    return _meter
-
-
 def _metered_copy(label: str, copy: Callable[[Any], Any], value: Any, nbytes: int) -> Any:
-    meter = _context_meter()
+    meter = context_meter()
     with meter.meter(label):
         out = copy(value)
     meter.digest_metric(label, nbytes, "bytes")
@@ -307,8 +294,8 @@ def _ran(where: str) -> None:
     """Report one GPU task's outcome: a Fine Performance Metric the scheduler aggregates per
     task prefix, and a count on the worker that ran it (``worker.eugo_ran``, which tells
     workers apart where several share a process, as in ``gen_cluster``)."""
-    _context_meter().digest_metric(where, 1, "tasks")
-    worker = _current_worker()
+    context_meter().digest_metric(where, 1, "tasks")
+    worker = current_worker()
     if worker is not None:
         ran = getattr(worker, "eugo_ran", None)
         if ran is None:
@@ -316,20 +303,11 @@ def _ran(where: str) -> None:
         ran[where] += 1
 
 
-def _current_worker() -> Any:
-    try:
-        from distributed import get_worker
-
-        return get_worker()
-    except (ImportError, ValueError):  # not inside a distributed worker
-        return None
-
-
 def _report_fallback(prefix: str, category: FallbackCategory, reason: str) -> None:
-    _context_meter().digest_metric(f"eugo-fallback-{category}", 1, "tasks")
+    context_meter().digest_metric(f"eugo-fallback-{category}", 1, "tasks")
     if (prefix, reason) in _reported:  # the reason once per prefix; the counts above
         return
-    worker = _current_worker()
+    worker = current_worker()
     if worker is None:
         return
     _reported.add((prefix, reason))
@@ -365,7 +343,7 @@ def _host_to_device(device: Device, ordinal: int | None = None) -> Callable[[Any
             and not device.is_device_array(value)
         ):
             if device.current_task() is not None:
-                _context_meter().digest_metric("eugo-h2d", value.nbytes, "bytes")
+                context_meter().digest_metric("eugo-h2d", value.nbytes, "bytes")
                 return device.to_device(value, ordinal)
             return _metered_copy("eugo-h2d", lambda v: device.to_device(v, ordinal), value,
                                  value.nbytes)
@@ -490,21 +468,15 @@ def _receive(data: np.ndarray) -> Any:
 set_receive(_receive)
 
 
-def install_receive_fallback() -> bool:
-    """Make a CuPy array arriving from another worker land as a host array where this worker
-    cannot hold it (no usable GPU, or out of device memory), instead of failing inside
-    deserialisation. Needs CuPy importable here; returns whether it was installed."""
-    try:
-        cupy = import_cupy()  # no GPU needed to import it
-        from distributed.protocol.serialize import dask_deserialize
-
-        # distributed registers its CuPy serializers on first use; they need rmm or numba
-        original = dask_deserialize.dispatch(cupy.ndarray)
-    except ImportError as e:
-        logger.debug("eugo: no receive fallback for CuPy arrays here (%s)", e)
-        return False
+def receiving_as_host(original: Callable[[dict[str, Any], list[Any]], Any],
+                      ) -> Callable[[dict[str, Any], list[Any]], Any]:
+    """distributed's deserializer of CuPy arrays, ``original``, made to land a CuPy array
+    arriving from another worker as a host array where this process cannot hold it (no usable
+    GPU, or out of device memory), instead of failing inside deserialisation. ``original``
+    itself where it is one already (:func:`eugo_dask.worker.install_receive_fallback` registers
+    it)."""
     if getattr(original, "_eugo_receive", False):
-        return True
+        return original
 
     def receive(header: dict[str, Any], frames: list[Any]) -> Any:
         if usable_device("cupy") is not None:
@@ -515,8 +487,7 @@ def install_receive_fallback() -> bool:
         return _host_from_cupy_frames(header, frames)
 
     receive._eugo_receive = True  # type: ignore[attr-defined]
-    dask_deserialize.register(cupy.ndarray)(receive)
-    return True
+    return receive
 
 
 def _host_from_cupy_frames(header: dict[str, Any], frames: list[Any]) -> np.ndarray:
@@ -626,7 +597,7 @@ class DeviceCall:
             # the original arguments: host arrays as they came, device arrays of earlier tasks
             return self._fall_back("device-error", type(exc).__name__, args, kwargs, exc,
                                    kind=kind)
-        meter = _context_meter()
+        meter = context_meter()
         for label, seconds in clock.seconds.items():
             meter.digest_metric(label, seconds, "seconds")
         host_only = _host_only_chunk(result)

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from eugo_dask.optimization import bridge, eugo
+from eugo_dask.array_optimize import bridge
+from eugo_dask.optimization import eugo
 from eugo_dask.runtime import RAN_ON_CPU, RAN_ON_DEVICE
 
 #: An H200 beside a representative server CPU, both presets: plans that do not depend on the

@@ -18,7 +18,7 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
   never gets one to rebuild: a transfer that would fail for ever and hang the retirement of a
   GPU worker;
 - a CuPy array sent to this worker lands as a host array where it cannot be held here
-  (:func:`eugo_dask.runtime.install_receive_fallback`), for peers that send device arrays
+  (:func:`install_receive_fallback`), for peers that send device arrays
   (workers of another version of eugo);
 - a worker in the process of its scheduler (and, as a rule, of the client that started them:
   ``LocalCluster(processes=False)``, ``gen_cluster``) has no settings of its own: the tasks it
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 from typing import Any
 
@@ -52,11 +51,13 @@ from eugo_dask.config import (
     process_device,
     worker_setting_problems,
 )
+from eugo_dask.context import running_schedulers
+from eugo_dask.devices import import_cupy
 from eugo_dask.graph import holds_eugo_device_value
 from eugo_dask.runtime import (
     MAX_EVENT_TEXT,
     host_values,
-    install_receive_fallback,
+    receiving_as_host,
     release_idle_devices,
     usable_device,
     why_no_device,
@@ -66,14 +67,6 @@ logger = logging.getLogger(__name__)
 
 #: The op of a worker's report to the eugo scheduler plugin, on the worker's own stream.
 REPORT_OP = "eugo-worker-report"
-
-
-def running_schedulers() -> list[Any]:
-    """The distributed schedulers running in this process."""
-    module = sys.modules.get("distributed.scheduler")  # imported only where one may run
-    if module is None:
-        return []
-    return [s for s in list(module.Scheduler._instances) if s.status.name == "running"]
 
 
 def _beside_a_scheduler() -> bool:
@@ -152,6 +145,25 @@ class EugoWorkerPlugin(WorkerPlugin):
         callback = PeriodicCallback(release_idle_devices, max(idle_s / 4, 0.01) * 1000)
         worker.periodic_callbacks["eugo-idle-release"] = callback  # stopped when the worker closes
         callback.start()
+
+
+def install_receive_fallback() -> bool:
+    """Make a CuPy array arriving from another worker land as a host array where this worker
+    cannot hold it (:func:`~eugo_dask.runtime.receiving_as_host`), instead of failing inside
+    deserialisation. Needs CuPy importable here; returns whether it was installed."""
+    try:
+        cupy = import_cupy()  # no GPU needed to import it
+        from distributed.protocol.serialize import dask_deserialize
+
+        # distributed registers its CuPy serializers on first use; they need rmm or numba
+        original = dask_deserialize.dispatch(cupy.ndarray)
+    except ImportError as e:
+        logger.debug("eugo: no receive fallback for CuPy arrays here (%s)", e)
+        return False
+    receive = receiving_as_host(original)
+    if receive is not original:
+        dask_deserialize.register(cupy.ndarray)(receive)
+    return True
 
 
 def send_device_values_as_host(worker: Any) -> None:

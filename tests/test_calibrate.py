@@ -14,10 +14,11 @@ import pytest
 import yaml
 
 import eugo_dask
+from eugo_dask import load_profile
 from eugo_dask.calibrate import calibrate
 from eugo_dask.devices import cupy_device_count
 from eugo_dask.measure import _fit_inverse
-from eugo_dask.profile import load_profile, validate_profile_dict
+from eugo_dask.profile import validate_profile_dict
 
 DASK_CLI = str(Path(sys.executable).with_name("dask"))
 EUGO_CLI = str(Path(sys.executable).with_name("eugo-dask"))

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import eugo_dask
+import eugo_dask.array_optimize
 from eugo_dask.config import _load_yaml, read_settings, schema
 from eugo_dask.profile import ProfileError
 
@@ -217,7 +218,7 @@ def test_a_misspelt_key_raises_naming_the_closest(key, closest):
             with pytest.raises(ValueError, match=match):  # on the client, as the graph is made
                 x.compute(scheduler="sync")
             with pytest.raises(ValueError, match=match):  # as it is pickled for a scheduler
-                pickle.dumps(eugo_dask.optimization.bridge)
+                pickle.dumps(eugo_dask.array_optimize.bridge)
         with pytest.raises(ValueError, match=match):
             eugo_dask.explain(x)
         from eugo_dask.config import worker_setting_problems

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import eugo_dask
+from eugo_dask import load_profile
 from eugo_dask.cost_model import Op, Step, estimate_step, estimate_task
 from eugo_dask.graph import ArraySpec
-from eugo_dask.profile import load_profile
 
 #: Fixed presets: the numbers below depend on nothing measured here.
 PROFILE = {"base": "h200", "cpu": "server-x86"}

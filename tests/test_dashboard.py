@@ -207,3 +207,22 @@ def test_a_summary_that_cannot_be_read_is_said_on_the_page(caplog):
     page.update()
     assert page.errors == 1 and "summary could not be read" in page.summary.root.text
     assert "reading the plugin's summary failed" in caplog.text
+
+
+def test_the_page_shows_the_plans_the_plugin_hands_it():
+    """The what-if figure and the headline's count of plans come from the plugin's summary (the
+    plugin hands on the pass's log), not from a module global of the pass."""
+    from types import SimpleNamespace
+
+    from eugo_dask.dashboard import EugoDashboard
+
+    plans = [{"all_cpu": 4.0, "all_gpu": 9.0, "as_chosen": 3.0},
+             {"all_cpu": 2.0, "all_gpu": 1.0, "as_chosen": 1.0}]
+    summary = {"tasks": {}, "bytes_h2d": 0, "bytes_d2h": 0, "prefixes": {}, "fallbacks": {},
+               "fallback_reasons": {}, "warnings": [], "estimated_saved_s": 0.0, "plans": plans}
+    page = EugoDashboard(SimpleNamespace(plugins={"eugo": SimpleNamespace(summary=lambda: summary)}))
+    page.update()
+    assert page.errors == 0
+    whatif = next(c for c in page.components if type(c).__name__ == "WhatIf")
+    assert whatif.source.data["run"] == [1, 2] and whatif.source.data["as_chosen"] == [3.0, 1.0]
+    assert "2 computations planned" in page.summary.root.text

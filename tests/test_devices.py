@@ -508,7 +508,7 @@ def test_gpu_extra_lets_distributed_serialize_cupy_arrays(cupy_without_gpu):
     wraps them."""
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    from eugo_dask.runtime import install_receive_fallback
+    from eugo_dask.worker import install_receive_fallback
 
     cupy = cupy_without_gpu
     assert dask_serialize.dispatch(cupy.ndarray) is not None  # registers; ImportError without numba

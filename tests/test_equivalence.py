@@ -111,7 +111,7 @@ LINALG = {
 @pytest.mark.parametrize("min_speedup", [0, 2])
 @pytest.mark.parametrize("name", sorted(LINALG))
 def test_linear_algebra_pipelines(name, min_speedup, emulated):
-    from eugo_dask.optimization import pass_stats
+    from eugo_dask.pass_log import pass_stats
 
     with dask.config.set(optimizations=[]):
         expected = LINALG[name]().compute(scheduler="sync")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from dask._task_spec import DataNode, Task, TaskRef
 
-from eugo_dask import Decision, device_stats, eugo, explain, optimization, reset_device_stats
+from eugo_dask import Decision, device_stats, eugo, explain, pass_log, reset_device_stats
 from eugo_dask.report import copies_text
 from eugo_dask.testing import emulated_settings
 
@@ -149,7 +149,7 @@ def test_several_collections_are_the_plan_their_joint_compute_runs(min_speedup):
         plan = explain(a, b)
         reset_device_stats()
         dask.compute(a, b, scheduler="sync")
-        ran, stats = optimization.recent_plans[-1], device_stats()
+        ran, stats = pass_log.recent_plans()[-1], device_stats()
         alone = [explain(a), explain(b)]
     assert plan.gpu_keys and ran["gpu_tasks"] == stats["tasks"] == len(plan.gpu_keys)
     copies = plan.copies

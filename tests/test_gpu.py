@@ -262,8 +262,9 @@ def test_out_of_memory_falls_back(cupy_device):
 
 
 def test_calibration_measures_the_runtime_paths(cupy):
+    from eugo_dask import load_profile
     from eugo_dask.calibrate import calibrate
-    from eugo_dask.profile import load_profile, validate_profile_dict
+    from eugo_dask.profile import validate_profile_dict
 
     messages = []
     profile = calibrate(quick=True, progress=messages.append)

@@ -139,7 +139,7 @@ def _entry(bucket, samples="[1e-9, 1e-9, 1e-9, 1e-9, 1e-9]"):
 
 def test_a_bad_entry_is_dropped_and_the_rest_used(tmp_path, caplog):
     # issue: an infinite or nested bucket made every pass fail (graph run unchanged)
-    from eugo_dask.optimization import pass_stats
+    from eugo_dask.pass_log import pass_stats
 
     path = tmp_path / "history.json"
     path.write_text(f'{{"version": 1, "buckets": [{_entry("Infinity")}, {_entry("[[23]]")}, '
@@ -165,7 +165,7 @@ def test_a_bad_entry_is_dropped_and_the_rest_used(tmp_path, caplog):
 def test_a_poisoned_history_is_reported_once_and_ignored(tmp_path, caplog, text):
     # issue: a 400-digit integer or deep nesting raised OverflowError/RecursionError out of the
     # loader: every pass failed, and read the file again
-    from eugo_dask.optimization import pass_stats
+    from eugo_dask.pass_log import pass_stats
 
     path = tmp_path / "history.json"
     path.write_text(text)

@@ -17,9 +17,9 @@ import pytest
 from dask.array.utils import assert_eq
 
 import eugo_dask
-from eugo_dask import eugo
+from eugo_dask import array_optimize, eugo, pass_log
 from eugo_dask import optimization as optimization_module
-from eugo_dask.optimization import pass_stats
+from eugo_dask.pass_log import pass_stats
 
 from .conftest import H200_SERVER
 
@@ -37,7 +37,7 @@ def broken_describe(monkeypatch):
         raise RuntimeError("injected failure in describe")
 
     monkeypatch.setattr(optimization_module, "describe_graph", fail)
-    monkeypatch.setitem(optimization_module._pass_stats, "errors_logged", 0)
+    monkeypatch.setitem(pass_log._stats, "errors_logged", 0)
 
 
 def test_a_failing_pass_runs_the_graph_unchanged(emulated, broken_describe, caplog):
@@ -286,8 +286,8 @@ def test_a_layer_named_like_eugos_keys_is_planned_as_any_other(name, emulated, m
     """Its name made the pass take the graph for one it had rewritten: explain() planned GPU
     tasks, compute ran none, and Dask's linear fusion was skipped."""
     partial = []
-    original = optimization_module.optimize_without_linear_fusion
-    monkeypatch.setattr(optimization_module, "optimize_without_linear_fusion",
+    original = array_optimize.optimize_without_linear_fusion
+    monkeypatch.setattr(array_optimize, "optimize_without_linear_fusion",
                         lambda *args: partial.append(args) or original(*args))
     with dask.config.set(optimizations=[]):
         expected = _survey(name).compute(scheduler="sync")

@@ -11,12 +11,11 @@ import pytest
 from dask.array.optimization import optimize as dask_array_optimize
 
 import eugo_dask
-from eugo_dask import optimization, runtime
+from eugo_dask import array_optimize, load_profile, optimization, runtime
 from eugo_dask.config import read_settings
 from eugo_dask.devices import cuda
 from eugo_dask.graph import ChunkInfo, task_spec_dict
 from eugo_dask.plan import ColdStart, Copies
-from eugo_dask.profile import load_profile
 from eugo_dask.report import format_seconds
 
 from .conftest import H200_SERVER
@@ -280,11 +279,11 @@ def test_graphs_for_a_cluster_pay_no_first_use(cold_device):
         settings = read_settings().resolved()
         profile = optimization._profile(settings)
         assert optimization._cold_start("emulated", profile) is not None
-        token = optimization._submitted.set(optimization.Submission(settings, {}))
+        token = array_optimize._submitted.set(array_optimize.Submission(settings, {}))
         try:
             assert optimization._cold_start("emulated", profile) is None
         finally:
-            optimization._submitted.reset(token)
+            array_optimize._submitted.reset(token)
         with dask.config.set(scheduler=None), Client(
                 processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0",
                 timeout="60s"):

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import yaml
 
-from eugo_dask import measure
+from eugo_dask import load_profile, measure
 from eugo_dask import profile as profile_mod
-from eugo_dask.profile import PRESETS, ProfileError, check_profile_spec, load_profile, profile_dict
+from eugo_dask.profile import PRESETS, ProfileError, check_profile_spec, profile_dict
 
 CPU = yaml.safe_load(
     (profile_mod.resources.files("eugo_dask") / "profiles" / "server-x86.cpu.yaml").read_text()
@@ -149,6 +149,24 @@ def test_local_cpu_measured_once_and_cached(tmp_path, monkeypatch):
     assert p.cpu.matmul_flops_per_s.float64 > 1e8
     assert p.cpu.memory_bandwidth_bytes_per_s > 1e8
     assert p.cpu.threads >= 1
+
+
+def test_the_local_cpu_section_is_handed_in_not_measured_by_the_profile():
+    """Loading a profile without a cpu section measures nothing itself: the caller hands in
+    what gives the local CPU's figures (eugo_dask.load_profile hands in the cached measurement),
+    asked to check a cached reading with the profile's own validation; without one it says so."""
+    asked = []
+
+    def local_cpu(*, accept):
+        asked.append(accept)
+        return CPU
+
+    spec = {"base": "h200", "name": "no-cpu"}
+    p = profile_mod.load_profile(spec, local_cpu=local_cpu)
+    assert p.cpu.threads == CPU["threads"] and len(asked) == 1
+    assert asked[0](CPU) and not asked[0]({"threads": "many"})
+    with pytest.raises(ProfileError, match="no cpu section"):
+        profile_mod.load_profile({**spec, "name": "no-cpu-2"})
 
 
 def test_a_cpu_reading_with_warnings_serves_its_process_only(tmp_path, monkeypatch):

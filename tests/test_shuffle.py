@@ -16,7 +16,7 @@ from dask._task_spec import Alias, Task
 from dask.array.utils import assert_eq
 from dask.core import flatten
 
-from eugo_dask.optimization import pass_stats
+from eugo_dask.pass_log import pass_stats
 from eugo_dask.testing import device_tasks, emulated_gpu_cluster, emulated_settings
 
 from .cluster import (

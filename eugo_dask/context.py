@@ -1,0 +1,123 @@
+"""Where eugo runs: the distributed scheduler a pass runs in, the worker a task runs in, the local
+scheduler a graph computed here runs on.
+
+The one module that reads distributed's objects for that, private attributes included
+(``Scheduler._instances``, ``_active_graph_updates``). It never imports distributed: where
+distributed is not loaded in this process, no scheduler or worker of it runs here either, so
+each lookup goes through ``sys.modules`` and answers None (or nothing) without it. That keeps
+the planner and the task wrappers (:mod:`eugo_dask.runtime`), which ask these questions, free
+of distributed (the import contracts in ``pyproject.toml`` say so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import pickle
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import dask
+
+logger = logging.getLogger(__name__)
+
+
+# --- a distributed scheduler in this process (where the pass runs for a cluster) ------------------
+def running_schedulers() -> list[Any]:
+    """The distributed schedulers running in this process."""
+    module = sys.modules.get("distributed.scheduler")  # imported only where one may run
+    if module is None:
+        return []
+    return [s for s in list(module.Scheduler._instances) if s.status.name == "running"]
+
+
+def running_scheduler() -> Any:
+    """The distributed scheduler this pass runs in, or None (a client, a local scheduler, or
+    several schedulers in one process of which none is receiving a graph)."""
+    candidates = running_schedulers()
+    if len(candidates) > 1:  # several in one process (tests): the one receiving a graph
+        candidates = [s for s in candidates if getattr(s, "_active_graph_updates", 0)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def scheduler_plugin(scheduler: Any, name: str) -> Any:
+    """The plugin registered on ``scheduler`` under ``name``, or None."""
+    return scheduler.plugins.get(name) if scheduler is not None else None
+
+
+def worker_resources(scheduler: Any) -> list[dict[str, Any]]:
+    """The resources each worker of ``scheduler`` advertises."""
+    return [dict(ws.resources) for ws in list(scheduler.workers.values())]
+
+
+def tell_scheduler(scheduler: Any, topic: str, warning: str, *, client: bool) -> None:
+    """Log a warning and hand it to the scheduler's event log under ``topic`` (the eugo plugin
+    shows it), from the thread Dask materializes graphs in; with ``client``, to the clients too
+    (distributed's "warn" topic, which ``worker.warn`` uses: a client shows it as a
+    ``RuntimeWarning``)."""
+    logger.warning(warning)
+    scheduler.loop.add_callback(scheduler.log_event, topic, {"warning": warning})
+    if client:
+        scheduler.loop.add_callback(scheduler.log_event, "warn", {
+            "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})
+
+
+# --- the distributed worker a task runs in ------------------------------------------------------
+def current_worker() -> Any:
+    """The distributed worker whose task is running in this thread, or None."""
+    module = sys.modules.get("distributed.worker")  # loaded in every worker
+    if module is None:
+        return None
+    try:
+        return module.get_worker()
+    except ValueError:  # not inside a distributed worker
+        return None
+
+
+class _NoMeter:
+    """What distributed's context meter does where no callback listens (no distributed here)."""
+
+    @contextlib.contextmanager
+    def meter(self, label: str) -> Iterator[None]:
+        yield
+
+    def digest_metric(self, label: str, value: float, unit: str) -> None:
+        pass
+
+
+_NO_METER = _NoMeter()
+
+
+def context_meter() -> Any:
+    """distributed's context meter (Fine Performance Metrics on the dashboard) where distributed
+    is loaded; elsewhere one that records nothing, as distributed's own does with no callback
+    (only a worker or a client of distributed adds one)."""
+    module = sys.modules.get("distributed.metrics")
+    return module.context_meter if module is not None else _NO_METER
+
+
+# --- the local scheduler a graph computed here runs on --------------------------------------------
+def local_scheduler() -> tuple[str, int] | None:
+    """How a graph computed here runs, as dask.config says (``scheduler``, ``num_workers``, a
+    default distributed client): ``("threads" or "processes", how many)``, or None for a
+    distributed client or a scheduler of another kind. A ``scheduler=`` argument of
+    ``compute`` is not seen by the optimization that calls this."""
+    from dask import local, threaded
+    from dask.base import get_scheduler
+    from dask.system import CPU_COUNT
+
+    named = dask.config.get("scheduler", None) is not None
+    scheduler = get_scheduler() if named or "distributed" in sys.modules else None
+    workers = dask.config.get("num_workers", None) or CPU_COUNT
+    if scheduler is None or scheduler is threaded.get:
+        return ("threads", workers)
+    if scheduler is local.get_sync:
+        return ("threads", 1)
+    multiprocessing = sys.modules.get("dask.multiprocessing")
+    if multiprocessing is not None and scheduler is multiprocessing.get:
+        return ("processes", workers)
+    if isinstance(scheduler, functools.partial) and scheduler.func is local.get_async:
+        return ("threads", scheduler.args[1])  # a concurrent.futures pool of threads
+    return None
