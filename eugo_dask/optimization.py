@@ -23,6 +23,7 @@ from dask._task_spec import GraphNode
 from dask.array.optimization import optimize as dask_array_optimize
 from dask.base import is_dask_collection, tokenize
 from dask.highlevelgraph import HighLevelGraph
+from dask.typing import NestedKeys
 
 from eugo_dask._version import __version__
 from eugo_dask.array_optimize import current_submission, may_be_ours
@@ -110,7 +111,7 @@ class _Described(NamedTuple):
     """A graph split and described, ready to be placed (under one or several settings)."""
 
     graph: dict[Key, GraphNode]
-    keys: Any
+    keys: Key | NestedKeys
     description: GraphDescription
     profile: Profile
 
@@ -154,7 +155,7 @@ def _profile(settings: Settings) -> Profile:
     return load_profile(resolve_profile(settings.profile, settings.device))
 
 
-def _split_and_describe(graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInfo,
+def _split_and_describe(graph: dict[Key, GraphNode], keys: Key | NestedKeys, chunks: ChunkInfo,
                         settings: Settings, profile: Profile) -> _Described:
     """The pass's first steps on ``graph`` (task-spec nodes already optimized by Dask): split
     fused tasks that mix device and host work, then describe every task."""
@@ -208,7 +209,7 @@ def _user_annotations(dsk: Any) -> dict[str, dict[Key, Any]]:
     return carried
 
 
-def eugo(dsk: Any, keys: Any, *, chunk_info: ChunkInfo | None = None, **kwargs: Any) -> Any:
+def eugo(dsk: Any, keys: Key | NestedKeys, *, chunk_info: ChunkInfo | None = None, **kwargs: Any) -> Any:
     """Place the chunk tasks of an array graph on the GPU where it pays, and rewrite the graph.
 
     Use it as ``dask.config.set(optimizations=[eugo])``, or directly as a graph pass.
@@ -281,7 +282,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Any, chunks: ChunkInfo,
+def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedKeys, chunks: ChunkInfo,
                       settings: Settings, profile: Profile) -> Any:
     """split -> describe -> place -> rewrite; ``dsk`` itself where nothing goes to the GPU."""
     original = graph

@@ -49,6 +49,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from dask.typing import Key
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -365,7 +366,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             scheduler.transitions({k: "processing" for k in stuck},
                                   stimulus_id=f"eugo-reroute-{stimulus_id}")
 
-    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+    def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "memory" and start == "processing":
             startstops = kwargs.get("startstops") or ()
             self._guard("transition", self._count, key, kwargs.get("worker"), startstops)
@@ -380,7 +381,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
 
-    def _watch_backlog(self, key: Any) -> None:
+    def _watch_backlog(self, key: Key) -> None:
         """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
         worker: distributed queues no task with resource restrictions (dask/distributed#9164),
         so a CPU worker that finished a read takes the next while the device lags behind."""
@@ -412,7 +413,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             stats = self.prefixes.setdefault(name, PrefixStats())
         return stats
 
-    def _count(self, key: Any, worker: str | None, startstops: Any) -> None:
+    def _count(self, key: Key, worker: str | None, startstops: Any) -> None:
         scheduler = self.scheduler
         gpu, host, cpu = key in self.gpu_keys, key in self.host_keys, key in self.cpu_keys
         if scheduler is None or not (gpu or host or cpu):
@@ -435,7 +436,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             stats.predicted_s += estimate[1]
             stats.actual_s += _compute_seconds(startstops)
 
-    def _learn(self, key: Any, startstops: Any) -> None:
+    def _learn(self, key: Key, startstops: Any) -> None:
         seconds = _compute_seconds(startstops)
         if seconds > 0:
             observe(key, seconds)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from dask._task_spec import Alias, GraphNode
+from dask.typing import NestedKeys
 
 from eugo_dask.cost_model import Estimate
 from eugo_dask.describe import GraphDescription
@@ -101,7 +102,7 @@ class Costs:
         return len(self.keys)
 
     @classmethod
-    def from_plan(cls, graph: dict[Key, GraphNode], keys: Any, description: GraphDescription,
+    def from_plan(cls, graph: dict[Key, GraphNode], keys: Key | NestedKeys, description: GraphDescription,
                   plan: Plan, *, cpu_threads: int) -> Costs:
         """The model of ``graph`` as described and placed; ``cpu_threads``: the threads the
         profile's estimates assumed (a matmul's CPU estimate is BLAS on all of them)."""
@@ -512,7 +513,7 @@ class Summary:
                 "busy": {kind: self.predicted.busy_fraction(kind) for kind in ("cpu", "gpu")}}
 
 
-def summarize(graph: dict[Key, GraphNode], keys: Any, description: GraphDescription, plan: Plan,
+def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys, description: GraphDescription, plan: Plan,
               profile: Profile, *, copies: CopyMode = "slot") -> Summary | None:
     """The plan on the profile's machine (its threads, one GPU), or None past
     :data:`SIMULATE_MAX_TASKS` tasks."""
