@@ -132,10 +132,25 @@ def _contracted_size(a: ArraySpec, b: ArraySpec) -> int:
     return max(max(shared, default=1), 1)
 
 
-def _guessed_matmul_flops(arrays: list[ArraySpec]) -> float:
-    """FLOPs of a contraction of its two largest operands, by shape alone."""
+def _guessed_matmul_flops(arrays: list[ArraySpec], out: ArraySpec | None = None) -> float:
+    """FLOPs of a contraction of its two largest operands, by shape alone. With one operand
+    known and the result, the product of the two: ``(m, k) @ ? -> (m, n)`` is ``2 m n k``;
+    with one array alone, a product with a square ``(k, k)``. (An unknown operand is not
+    taken for a copy of the known one: ``(m, k)`` times itself is an ``m x m`` product.)"""
     if not arrays:
         return 0.0
+    if len(arrays) == 1 and (out is None or arrays == [out]) and len(arrays[0].shape) >= 2:
+        # one array known, operand or result, and nothing to say what it meets: the other side
+        # taken square on its smaller side, (m, k) @ (k, k) (the guess below took the array for
+        # both operands and priced an m x m product, m / k times more)
+        (a,) = arrays
+        return 2.0 * float(a.size) * min(a.shape[-2:])
+    if len(arrays) < 2 and out is not None and len(out.shape) >= 2 and len(arrays[0].shape) >= 2:
+        (a,) = arrays
+        if a.shape[:-1] == out.shape[:-1]:  # (m, k) @ (k, n)
+            return 2.0 * float(out.size) * a.shape[-1]
+        if a.shape[-1] == out.shape[-1] and a.shape[:-2] == out.shape[:-2]:  # ? @ (k, n)
+            return 2.0 * float(out.size) * a.shape[-2]
     if len(arrays) < 2:
         arrays = arrays * 2
     a, b = sorted(arrays, key=lambda s: s.size)[-2:]
@@ -198,7 +213,7 @@ def _matmul_step(step: Step, n: int, dtype: np.dtype[Any], n_fallback: int,
     shapes) at the BLAS/cuBLAS rate for its effective matrix order."""
     cpu, gpu, out = profile.cpu, profile.gpu, step.out
     flops = step.flops if step.flops is not None else _guessed_matmul_flops(
-        list(step.ins) or ([out] if out is not None else []))
+        list(step.ins) or ([out] if out is not None else []), out)
     if flops <= 0:
         return 0.0, CPU_CALL_S, _gpu_call_s(profile)
     size = (flops / 2) ** (1.0 / 3.0)  # effective matrix order: cube root of m*n*k

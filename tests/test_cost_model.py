@@ -144,6 +144,25 @@ def test_fft_flops_from_the_transformed_lengths():
     assert d2.flops == pytest.approx(5 * 1024 * 1024 * np.log2(1024 * 1024))
 
 
+@pytest.mark.parametrize("known", ["left", "right", "neither", "left alone"])
+def test_a_product_with_one_operand_unknown_is_priced_from_the_other_and_its_result(known):
+    """The QR's Q blocks times R, R unknown: (65536, 128) @ ? -> (65536, 128) is 2 m n k with
+    k = 128, not a 65536 x 65536 product (it was priced 512 times too high and its chain,
+    17.9 s in makespan.py's tall-skinny QR, bound the schedule)."""
+    profile = load_profile(PROFILE)
+    m, k, n = 65536, 128, 256
+    a, out = ArraySpec((m, k), F8), ArraySpec((m, n), F8)
+    b = ArraySpec((k, n), F8)
+    ins = {"left": (a,), "right": (b,), "neither": (), "left alone": (a,)}[known]
+    step = Step(Op("matmul", "dot", 2), ins, None if known == "left alone" else out)
+    if known == "neither":  # the result alone: its smaller side taken for the contraction
+        k = min(m, n)
+    if known == "left alone":  # the operand alone (the QR's case): a product with (k, k)
+        n = k
+    flops, _, _ = estimate_step(step, out.size, F8, profile)
+    assert flops == pytest.approx(2.0 * m * n * k)
+
+
 def test_step_seconds_follow_the_profile():
     profile = load_profile(PROFILE)
     a = ArraySpec((4096, 4096), F8)
