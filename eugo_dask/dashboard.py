@@ -11,6 +11,8 @@ which also hands on the plans the eugo pass made in this process (:mod:`eugo_das
 - bytes copied host->device and device->host;
 - predicted vs measured seconds per prefix;
 - what-if task-seconds (all-CPU, all-GPU, as chosen) of the current and past computations;
+- machine use of the recent computations: makespan against their plan's work bound on the
+  machine they ran on, and how busy the CPU threads, GPUs and copies were;
 - fallbacks and their reasons, and warnings (a GPU worker that cannot use a device, a worker
   with invalid settings).
 """
@@ -155,6 +157,38 @@ class Fallbacks(Component):
                             "count": [", ".join(p) for p in reasons.values()]}
 
 
+class MachineUse(Component):
+    """The recent computations as they ran: makespan against the work bound of their plan on
+    the machine they had, and how busy the CPU threads, the GPUs and the copies kept them."""
+
+    COLUMNS = (("plan", "Plan"), ("tasks", "Tasks done / placed"), ("makespan", "Makespan"),
+               ("bound", "Work bound"), ("ratio", "Makespan / bound"),
+               ("cpu", "CPU busy"), ("gpu", "GPU busy"), ("copies", "Copies busy"))
+
+    def __init__(self) -> None:
+        from bokeh.models import ColumnDataSource
+        from bokeh.models.widgets import DataTable, TableColumn
+
+        self.source = ColumnDataSource({name: [] for name, _ in self.COLUMNS})
+        self.root = DataTable(source=self.source, height=180, sizing_mode="stretch_width",
+                              name="eugo-machine-use",
+                              columns=[TableColumn(field=name, title=title)
+                                       for name, title in self.COLUMNS])
+
+    def update(self, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
+        rows = summary.get("usage", [])[::-1]  # newest first
+        bounds = [r["bound_s"] for r in rows]
+        self.source.data = {
+            "plan": [str(r["plan"]) for r in rows],
+            "tasks": [f"{r['done']} / {r['tasks']}" for r in rows],
+            "makespan": [f"{r['makespan_s']:.3g} s" for r in rows],
+            "bound": [f"{b:.3g} s" if b is not None else "unknown" for b in bounds],
+            "ratio": [f"{r['makespan_s'] / b:.2f}x" if b else "" for r, b in zip(rows, bounds)],
+            **{kind: [f"{r['busy'][kind]:.0%} of {r['gpu_slots' if kind != 'cpu' else 'cpu_threads']}"
+                      for r in rows] for kind in ("cpu", "gpu", "copies")},
+        }
+
+
 class Summary(Component):
     """The headline: tasks, bytes, fallbacks, time saved, and the latest warnings (escaped:
     they hold text of clients and workers)."""
@@ -194,12 +228,14 @@ class EugoDashboard:
         self.summary = Summary()
         tasks, copied = TasksByDevice(), BytesCopied()
         seconds, whatif, fallbacks = PredictedSeconds(), WhatIf(), Fallbacks()
+        use = MachineUse()
         self.components: list[Component] = [self.summary, tasks, copied, seconds, whatif,
-                                            fallbacks]
+                                            use, fallbacks]
         self.root = column(
             self.summary.root,
             row(tasks.root, copied.root, sizing_mode="stretch_width"),
             row(seconds.root, whatif.root, sizing_mode="stretch_width"),
+            use.root,
             fallbacks.root,
             sizing_mode="stretch_width",
         )
@@ -226,7 +262,7 @@ class EugoDashboard:
 
 _EMPTY: dict[str, Any] = {"tasks": {}, "bytes_h2d": 0, "bytes_d2h": 0, "prefixes": {},
                           "fallbacks": {}, "fallback_reasons": {}, "warnings": [],
-                          "estimated_saved_s": 0.0, "plans": []}
+                          "estimated_saved_s": 0.0, "plans": [], "usage": []}
 
 
 def eugo_doc(scheduler: Any, extra: dict, doc: Any) -> None:

@@ -51,7 +51,7 @@ from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile
 from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
 from eugo_dask.runtime import EVENT_TOPIC, PlannedDevice, device_first_use_paid, device_started
-from eugo_dask.schedule import summarize
+from eugo_dask.schedule import summarize, work_groups
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -290,9 +290,12 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     plan = described.place(settings)
     gpu_keys = plan.gpu_keys  # (a pass over every decision: once)
     graph = described.graph
-    record_plan({"time": time.time(), "profile": plan.profile_name,
-                         "tasks": len(plan), "gpu_tasks": len(gpu_keys),
-                         **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")}})
+    plan_id = record_plan({
+        "time": time.time(), "profile": plan.profile_name, "tasks": len(plan),
+        "gpu_tasks": len(gpu_keys),
+        **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")},
+        # the work, for the bound on the machine it runs on (the scheduler plugin's)
+        "work": work_groups(described.description, profile.cpu.threads)})
     if not gpu_keys:
         if settings.learn:
             _expect_timings(plan, settings, {})
@@ -304,7 +307,8 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     device = settings.device if submission else PlannedDevice.here(settings.device)
     how = Rewrite(device, _resource_asked(settings), _token(settings, profile),
                   _user_annotations(dsk),
-                  dict(submission.annotations.get("resources") or {}) if submission else {})
+                  dict(submission.annotations.get("resources") or {}) if submission else {},
+                  plan_id)
     rewritten = rewrite_graph(graph, plan, described.description, original,
                               flatten_keys(keys), how)
     if settings.learn:

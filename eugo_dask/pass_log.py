@@ -12,6 +12,7 @@ hands the plans on in its summary (which the dashboard reads) and the metrics re
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -19,17 +20,35 @@ from typing import Any
 #: What-if totals of the plans made in this process, newest last.
 _plans: deque[dict[str, Any]] = deque(maxlen=100)
 
+_count = 0  # plans recorded so far (their ids)
+
 _stats = {"graphs_planned": 0, "graphs_rewritten": 0, "pass_errors": 0, "errors_logged": 0}
 
 
-def record_plan(totals: Mapping[str, Any]) -> None:
-    """Keep one plan's summary (its time, profile, task counts and what-if totals)."""
-    _plans.append(dict(totals))
+def record_plan(totals: Mapping[str, Any]) -> str:
+    """Keep one plan's summary (its time, profile, task counts, what-if totals and work) and
+    return its id, unique in this process (``plan_work`` finds its work by it)."""
+    global _count
+    _count += 1
+    plan_id = f"{os.getpid()}-{_count}"
+    _plans.append({**totals, "id": plan_id})
+    return plan_id
 
 
 def recent_plans() -> list[dict[str, Any]]:
-    """Copies of the summaries of the last 100 plans made in this process, oldest first."""
-    return [dict(p) for p in _plans]
+    """Copies of the summaries of the last 100 plans made in this process, oldest first,
+    without their work (see :func:`plan_work`)."""
+    return [{k: v for k, v in p.items() if k != "work"} for p in _plans]
+
+
+def plan_work(plan_id: str) -> list[tuple[int, float, float | None]] | None:
+    """The work of the recent plan ``plan_id`` (:func:`eugo_dask.schedule.work_groups`), or
+    None where it is not known (an older plan, or one made in another process)."""
+    for plan in reversed(_plans):
+        if plan.get("id") == plan_id:
+            work = plan.get("work")
+            return list(work) if work is not None else None
+    return None
 
 
 def record_outcome(*, rewritten: bool) -> None:

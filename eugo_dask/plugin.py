@@ -58,8 +58,15 @@ from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
-from eugo_dask.pass_log import recent_plans
-from eugo_dask.rewrite import CPU_ROLE, DEVICE_ROLES, GPU_ROLE, HOST_ROLE
+from eugo_dask.pass_log import plan_work, recent_plans
+from eugo_dask.rewrite import (
+    CPU_ROLE,
+    DEVICE_ROLES,
+    GPU_ROLE,
+    HOST_ROLE,
+    TODEVICE_ROLE,
+    TOHOST_ROLE,
+)
 from eugo_dask.runtime import (
     EVENT_TOPIC,
     FALLBACK_CATEGORIES,
@@ -69,6 +76,7 @@ from eugo_dask.runtime import (
     RAN_ON_DEVICE,
     cpu_path_task,
 )
+from eugo_dask.usage import GraphUsage, UsageKind
 from eugo_dask.worker import REPORT_OP, EugoWorkerPlugin
 
 if TYPE_CHECKING:
@@ -79,6 +87,8 @@ _task_logger = logging.getLogger(__name__ + ".tasks")
 
 #: States of a task yet to run: a graph's new tasks are released until the scheduler moves them.
 _PENDING = frozenset({"released", "waiting", "no-worker", "queued"})
+#: graphs whose machine use the summary keeps
+MAX_USAGE = 20
 #: When a worker has left, once the scheduler has moved what it must run again (released ->
 #: waiting): a task still released is done with (its result held nowhere, not wanted again).
 _WAITING = frozenset({"waiting", "no-worker", "queued"})
@@ -153,6 +163,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._estimates: dict[Any, tuple[float, float]] = {}
         #: (key, role, worker name) of recent eugo tasks, as the scheduler ran them
         self.placements: deque[tuple[Any, str | None, str | None]] = deque(maxlen=100_000)
+        #: the machine use of the recent graphs placed, newest last, and of each pending task
+        self.usage: deque[GraphUsage] = deque(maxlen=MAX_USAGE)
+        self._usage_of: dict[Key, GraphUsage] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
@@ -213,6 +226,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         cpu_workers = self._cpu_workers(scheduler)
         self._gpu_addresses = set(self._gpu_workers(scheduler))
         rerouted: list[TaskState] = []
+        usage = self._new_usage(scheduler, roles)
         asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
         fits: dict[Any, bool] = {}
         for key, role in roles.items():
@@ -220,6 +234,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
                 continue
             kind = role.get("role")
+            self._usage_of[key] = usage
+            usage.tasks += 1
             if role.get("cpu_s") is not None and role.get("est_s") is not None:
                 self._estimates[key] = (role["cpu_s"], role["est_s"])
             if kind == CPU_ROLE:
@@ -240,6 +256,17 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     self.host_restricted.add(key)
         if rerouted:
             self._say_rerouted(scheduler, rerouted, "GPU-planned tasks", "")
+
+    def _new_usage(self, scheduler: Scheduler, roles: dict) -> GraphUsage:
+        """The record of a graph's machine use, with the machine it is placed on now and its
+        plan's work (found by the plan id its tasks carry, where the pass ran here)."""
+        slots = sum(ws.resources.get(self.resource, 0) for ws in scheduler.workers.values())
+        threads = sum(ws.nthreads for ws in scheduler.workers.values())
+        plan = next((r.get("plan") for r in roles.values() if isinstance(r, dict)), None)
+        usage = GraphUsage(plan, 0, max(int(threads - slots), 0), int(slots),
+                           plan_work(plan) if plan is not None else None)
+        self.usage.append(usage)
+        return usage
 
     def _asking_for_device(self, ts: TaskState, asked: dict[Any, dict[str, Any]]
                            ) -> dict[str, Any]:
@@ -375,6 +402,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         elif finish == "processing" and key in self.gpu_keys:
             self._guard("transition", self._watch_backlog, key)
         elif finish == "forgotten":
+            self._usage_of.pop(key, None)
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
             self.host_restricted.discard(key)
@@ -423,6 +451,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             return
         role = (ts.annotations or {}).get("eugo", {}).get("role")
         ws = scheduler.workers.get(worker) if worker is not None else None
+        usage = self._usage_of.pop(key, None)
+        if usage is not None:
+            kind: UsageKind = ("copies" if role in (TODEVICE_ROLE, TOHOST_ROLE) else
+                               "gpu" if role == GPU_ROLE and ws is not None
+                               and ws.resources.get(self.resource) else "cpu")
+            usage.ran(kind, startstops)
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
         stats = self._prefix(ts.prefix.name)
         estimate = self._estimates.pop(key, None)
@@ -545,6 +579,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "warnings": list(self.warnings),
             "errors": self.errors,
             "plans": recent_plans(),  # the pass's, in this process (the dashboard shows them)
+            "usage": [u.to_dict() for u in self.usage],
         }
 
 

@@ -148,16 +148,17 @@ class TaskRoles:
 
     def __init__(self, roles: dict[Key, RoleEntry], resource: str | None,
                  carried: dict[str, dict[Key, Any]] | None = None,
-                 resources: dict[str, Any] | None = None) -> None:
+                 resources: dict[str, Any] | None = None, plan: str | None = None) -> None:
         self.roles = roles
         self.resource = resource
+        self.plan = plan
         self.carried = carried or {}
         self.resources = resources or {}
         self._shared: dict[RoleEntry, dict[str, Any]] = {}
         self._device_resources = {resource: 1, **self.resources} if resource is not None else {}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TaskRoles, (self.roles, self.resource, self.carried, self.resources))
+        return (TaskRoles, (self.roles, self.resource, self.carried, self.resources, self.plan))
 
     def value(self, kind: str, key: Key) -> Any:
         """The ``kind`` annotation of ``key``."""
@@ -169,6 +170,8 @@ class TaskRoles:
             if shared is None:
                 shared = self._shared[role] = {"role": role[0], "cpu_s": role[1],
                                                "est_s": role[2]}
+                if self.plan is not None:
+                    shared["plan"] = self.plan
             return shared
         user = self.carried.get(kind, {}).get(key)
         if kind == "resources" and self.resource is not None:
@@ -308,6 +311,9 @@ class Rewrite(NamedTuple):
     token: str
     carried: dict[str, dict[Key, Any]]
     resources: dict[str, Any] = {}
+    #: the plan's id in the pass's log (:mod:`eugo_dask.pass_log`), carried in every task's
+    #: ``eugo`` annotation so the scheduler plugin finds the plan of the tasks it runs
+    plan: str | None = None
 
 
 class Rewritten(NamedTuple):
@@ -465,7 +471,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if old in roles:
             roles[new] = roles.pop(old)
     carried = _carried_by_final_keys(how.carried, renames, on_device) if how.carried else {}
-    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources)),
+    return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources,
+                                                      how.plan)),
                      plan, on_device, renames)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -186,16 +187,24 @@ def _critical_path(costs: Costs, machine: Machine) -> float:
     return max(finish, default=0.0)
 
 
-def _parts_bound(costs: Costs, machine: Machine) -> Bound:
-    """The area bound (the work split between threads and devices so both finish together,
-    each task divisible) and the critical path, apart."""
-    fixed = sum(c for c, g in zip(costs.cpu_s, costs.gpu_s) if g is None or machine.gpus == 0)
-    movable = sorted(((c, g) for c, g in zip(costs.cpu_s, costs.gpu_s)
-                      if g is not None and machine.gpus), key=lambda cg: cg[1] / max(cg[0], 1e-300))
+def area_split(work: Iterable[tuple[int, float, float | None]], cpu_threads: int,
+               gpus: int) -> tuple[float, float, float]:
+    """The work of ``work`` (groups of ``count`` tasks of ``cpu_s`` single-thread seconds and
+    ``gpu_s`` device seconds, None where a task cannot run on a device) split between
+    ``cpu_threads`` threads and ``gpus`` devices so both finish together, each task divisible:
+    ``(seconds on the threads, seconds on the devices, share of the device-capable work on
+    the devices)``. The larger of the first two is the area bound on makespan."""
+    fixed = 0.0
+    movable: list[tuple[float, float]] = []
+    for count, c, g in work:
+        if g is None or not gpus:
+            fixed += count * c
+        else:
+            movable.append((count * c, count * g))
+    movable.sort(key=lambda cg: cg[1] / max(cg[0], 1e-300))
     cpu_load = fixed + sum(c for c, _ in movable)
     gpu_load = 0.0
-    p, n = machine.cpu_threads, max(machine.gpus, 1)
-    total_gpu = sum(g for _, g in movable) or 1.0
+    p, n = cpu_threads, max(gpus, 1)
     for c, g in movable:  # the tasks the devices speed up most go there first
         if cpu_load / p <= gpu_load / n:
             break
@@ -203,9 +212,36 @@ def _parts_bound(costs: Costs, machine: Machine) -> Bound:
         f = min(1.0, (cpu_load / p - gpu_load / n) / (c / p + g / n)) if c / p + g / n else 1.0
         cpu_load -= f * c
         gpu_load += f * g
-    path = _critical_path(costs, machine)
-    parts = {"cpu": cpu_load / p, "gpu": gpu_load / n, "h2d": 0.0, "d2h": 0.0, "path": path}
-    return Bound(max(parts.values()), parts, gpu_load / total_gpu if movable else 0.0, "parts")
+    total_gpu = sum(g for _, g in movable)
+    return cpu_load / p, gpu_load / n, gpu_load / total_gpu if total_gpu else 0.0
+
+
+#: :func:`work_groups` gives up past this many distinct estimates (None: no bound on record)
+MAX_WORK_GROUPS: Final = 10_000
+
+
+def work_groups(description: GraphDescription, cpu_threads: int
+                ) -> list[tuple[int, float, float | None]] | None:
+    """The graph's described work for :func:`area_split`, as the pass records it: tasks of one
+    estimate (a layer's chunks share theirs) counted together, ``cpu_threads`` the threads the
+    profile's estimates assumed (as :meth:`Costs.from_plan`). Cheap: one pass over identities."""
+    estimates = description.task_estimates
+    counts = Counter(map(id, estimates))
+    if len(counts) > MAX_WORK_GROUPS:
+        return None
+    by_id = dict(zip(map(id, estimates), estimates))
+    return [(count, e.cpu_s * (1 if e.cpu_parallel else cpu_threads),
+             e.gpu_s if e.gpu_capable and math.isfinite(e.gpu_s) else None)
+            for i, count in counts.items() for e in (by_id[i],)]
+
+
+def _parts_bound(costs: Costs, machine: Machine) -> Bound:
+    """The area bound (:func:`area_split`) and the critical path, apart."""
+    cpu, gpu, share = area_split(((1, c, g) for c, g in zip(costs.cpu_s, costs.gpu_s)),
+                                 machine.cpu_threads, machine.gpus)
+    parts = {"cpu": cpu, "gpu": gpu, "h2d": 0.0, "d2h": 0.0,
+             "path": _critical_path(costs, machine)}
+    return Bound(max(parts.values()), parts, share, "parts")
 
 
 def _lp_bound(costs: Costs, machine: Machine) -> Bound:

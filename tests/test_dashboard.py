@@ -136,6 +136,16 @@ def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
             }"""
             page.wait_for_function(f"() => ({tasks})().length > 0", timeout=30_000)
             before = page.evaluate(tasks)
+            # the pipeline's machine use: its makespan against its plan's work bound
+            use = """() => {
+                const table = Bokeh.documents[0].get_model_by_name('eugo-machine-use');
+                const data = table ? table.source.data : null;
+                return data ? {ratio: Array.from(data.ratio), gpu: Array.from(data.gpu)} : null;
+            }"""
+            page.wait_for_function(
+                f"() => {{ const u = ({use})(); return u && u.ratio.some(r => r.endsWith('x')); }}",
+                timeout=30_000)
+            machine = page.evaluate(use)
             with dask.config.set(SETTINGS):
                 running = client.compute(gated(gate))
             # (the new computation's device prefix appears while its last task waits)
@@ -154,6 +164,8 @@ def test_page_in_headless_chromium_during_a_computation(cluster, tmp_path):
     assert errors == []
     assert any(p.startswith("eugo-gpu") and p not in before for p in prefixes)
     assert "tasks ran on a GPU" in summary
+    assert re.fullmatch(r"\d+\.\d\dx", machine["ratio"][0]), machine
+    assert re.fullmatch(r"\d+% of \d+", machine["gpu"][0]), machine
     assert (tmp_path / "eugo.png").stat().st_size > 20_000
 
 

@@ -177,3 +177,34 @@ def test_auto_plans_for_the_clusters_gpu_workers(tmp_path):
         # that worker has no CUDA device here, so its GPU tasks ran their CPU path
         assert worker_stats(client)["gpu"]["tasks"] == 0
 
+
+
+def test_each_graph_s_machine_use_is_measured_beside_its_plans_work_bound():
+    """The plugin's summary says, per graph, what it got from the machine: the makespan from
+    the workers' own compute times, the seconds each kind of work kept its units busy, and the
+    work bound of its plan (found by the plan id its tasks carry) on the machine it ran on."""
+    from eugo_dask.dashboard import MachineUse
+    from eugo_dask.pass_log import recent_plans
+
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=False, resources={"GPU": 1},
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        client.register_plugin(EugoSchedulerPlugin())
+        with dask.config.set(SETTINGS):
+            assert_eq(client.compute(pipeline()).result(timeout=60), EXPECTED)
+        plugin = cluster.scheduler.plugins["eugo"]
+        deadline = time.monotonic() + 30  # (the last transitions reach the plugin after it)
+        while plugin._usage_of and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (usage,) = plugin.summary()["usage"]
+    assert usage["plan"] in {p["id"] for p in recent_plans()}
+    assert (usage["cpu_threads"], usage["gpu_slots"]) == (2, 2)  # 4 threads, 2 of them slots
+    assert usage["done"] == usage["tasks"] > 0
+    assert usage["busy_s"]["gpu"] > 0 and usage["busy_s"]["copies"] > 0
+    assert usage["makespan_s"] >= max(usage["busy_s"].values()) / 4  # 4 threads at most
+    # a GPU slot runs one device task or copy at a time: together at most all of the slots
+    assert usage["busy"]["gpu"] + usage["busy"]["copies"] <= 1.0 + 1e-9
+    assert usage["bound_s"] is not None and usage["bound_s"] > 0
+    use = MachineUse()
+    use.update({"usage": [usage]}, [])
+    assert use.source.data["tasks"] == [f"{usage['done']} / {usage['tasks']}"]
+    assert use.source.data["ratio"] == [f"{usage['makespan_s'] / usage['bound_s']:.2f}x"]
