@@ -14,7 +14,9 @@ under the policies
 - ``static-link``: the same placement, copies on links of their own (overlapping kernels);
 - ``all-cpu``, ``all-gpu``: every task on the CPU; every task that can, on a device;
 - ``dmda``: each task, in Dask's order, where it finishes first, copies counted (StarPU's dmda),
-  copies on the links: what run-time dispatch would do with exact estimates.
+  copies on the links: what run-time dispatch would do with exact estimates;
+- ``spill``: the plan's GPU tasks only, each where it finishes first (a GPU task spilled to an
+  idle CPU thread), copies in the GPU slot: dispatch that can only move GPU work to the CPU.
 
 Each line: the makespan, the lower bound (LP, HiGHS) and their ratio, how busy the CPU threads
 and GPUs were, and whether the bound itself uses both kinds of device (``mixed``). This is the
@@ -57,7 +59,7 @@ MACHINES = [Machine(cpu_threads=32, gpus=1, name="32c+1g", **LINK),
 #: (label, policy, copies)
 POLICIES = [("static", "static", "slot"), ("static-link", "static", "link"),
             ("all-cpu", "all-cpu", "link"), ("all-gpu", "all-gpu", "link"),
-            ("dmda", "dmda", "link")]
+            ("dmda", "dmda", "link"), ("spill", "spill", "slot")]
 
 
 def graphs(scale: int, store: str) -> dict[str, Callable[[], Any]]:

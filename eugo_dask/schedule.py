@@ -18,7 +18,8 @@ place that reads it; outputs end on the host.
   (:func:`dask.order.order`, as workers take them), each on the resource where it finishes
   first: ``static`` keeps the plan's placement, ``all-cpu`` and ``all-gpu`` what they say,
   ``dmda`` chooses per task between the CPU threads and the devices by earliest finish,
-  copies included (StarPU's dmda). Copies run on the links (``copies="link"``) or, as today's
+  copies included (StarPU's dmda); ``spill`` does so for the plan's GPU tasks only (the CPU
+  ones stay). Copies run on the links (``copies="link"``) or, as today's
   copy tasks do when they ask for the GPU resource, in the device's slot (``"slot"``).
 
 Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
@@ -44,8 +45,8 @@ from eugo_dask.plan import Plan
 from eugo_dask.profile import Profile
 from eugo_dask.report import format_seconds
 
-Policy = Literal["static", "all-cpu", "all-gpu", "dmda"]
-POLICIES: Final[tuple[Policy, ...]] = ("static", "all-cpu", "all-gpu", "dmda")
+Policy = Literal["static", "all-cpu", "all-gpu", "dmda", "spill"]
+POLICIES: Final[tuple[Policy, ...]] = ("static", "all-cpu", "all-gpu", "dmda", "spill")
 CopyMode = Literal["link", "slot"]
 #: Above this many tasks :func:`lower_bound` adds the parts up apart rather than solve the LP.
 LP_MAX_TASKS: Final = 20_000
@@ -471,7 +472,7 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
     gpus = machine.gpus > 0
     for i in order:
         capable = gpus and costs.gpu_s[i] is not None
-        if policy == "dmda" and capable:
+        if capable and (policy == "dmda" or (policy == "spill" and costs.placement[i])):
             gpu_end, g = run.best_gpu(i)
             if run.host_read[i] and i not in costs.outputs:  # (an output's copy is counted)
                 gpu_end += machine.d2h_s(costs.nbytes[i])  # the copy back a CPU task needs

@@ -234,7 +234,7 @@ def check_makespan(out: str) -> None:
     assert len(rows) == 8 * 2
     for row in rows:
         ratios = [float(cell[:-1]) for cell in row if re.fullmatch(r"\d+\.\d+x", cell)]
-        assert len(ratios) == 5 and min(ratios) >= 1.0, row
+        assert len(ratios) == 6 and min(ratios) >= 1.0, row
     assert "worst makespan / bound, by policy: static" in out
 
 
