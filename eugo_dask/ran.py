@@ -252,7 +252,12 @@ class RanReport:
             self._timer.register()
         else:
             self.scheduler = "distributed"
-            summary = client.run_on_scheduler(_plugin_snapshot)
+            # (settled: the workers' reports of computations before the block are in)
+            summary, settled = self._settled_summary(client, 0)
+            if not settled:
+                self.notes.append(f"the workers' reports of computations before the block had "
+                                  f"not all reached the scheduler after {self._wait:g} s: the "
+                                  "plugin's totals may count some of them")
             self._before = {"workers": self._workers(client), "summary": summary,
                             "plans": {p["id"] for p in (summary or {}).get("plans", [])}}
         return self
@@ -271,6 +276,26 @@ class RanReport:
     def _workers(client: Any) -> dict[int, dict[str, Any]]:
         """Each worker process's counters, once per process."""
         return {s["pid"]: s for s in client.run(process_snapshot).values()}
+
+    def _settled_summary(self, client: Any, ran: int, before: dict[str, Any] | None = None
+                         ) -> tuple[dict[str, Any] | None, bool]:
+        """The plugin's summary (None without the plugin) once the workers' reports, which come
+        with their heartbeats (asked for now), account for every GPU-planned task the plugin saw
+        finish, and for ``ran`` more than ``before``; waits ``wait`` seconds at most."""
+        with contextlib.suppress(Exception):  # (a worker that cannot be reached: waited for)
+            client.run(_heartbeat)
+        deadline = time.monotonic() + self._wait
+        while True:
+            summary = client.run_on_scheduler(_plugin_snapshot)
+            if summary is None:
+                return None, True
+            counts = _plugin_counts(summary)
+            reported = counts["on_gpu"] + counts["cpu_path"]
+            since = reported - ((before["on_gpu"] + before["cpu_path"]) if before else 0)
+            settled = reported >= counts["planned_gpu"] and since >= ran
+            if settled or time.monotonic() > deadline:
+                return summary, settled
+            time.sleep(0.1)
 
     def _gpu_rows(self, ledger_delta: dict[str, Any]) -> None:
         for prefix, activities in ledger_delta["tasks"].items():
@@ -355,16 +380,12 @@ class RanReport:
                 "is shown")
             return
         ran = sum(r.planned_gpu for r in self.rows.values())
-        with contextlib.suppress(Exception):  # (a worker that cannot be reached: wait below)
-            client.run(_heartbeat)
-        deadline = time.monotonic() + self._wait
-        while True:
-            summary = client.run_on_scheduler(_plugin_snapshot)
-            counts = _counts_delta(_plugin_counts(summary_before), _plugin_counts(summary))
-            reported = counts["on_gpu"] + counts["cpu_path"]
-            if reported >= ran or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        summary, _ = self._settled_summary(client, ran, _plugin_counts(summary_before))
+        if summary is None:
+            self.notes.append("the eugo scheduler plugin was removed during the block")
+            return
+        counts = _counts_delta(_plugin_counts(summary_before), _plugin_counts(summary))
+        reported = counts["on_gpu"] + counts["cpu_path"]
         if reported < ran:
             self.notes.append(f"the workers' reports to the scheduler counted {reported} of the "
                               f"{ran} GPU-planned tasks after {self._wait:g} s (they come with "
