@@ -71,6 +71,16 @@ def test_outside_the_block_nothing_is_counted(emulated):
     assert any("planned no graph" in note for note in report.notes)
 
 
+def test_processes_scheduler_says_what_it_could_not_see(emulated):
+    y = np.sin(da.ones((100, 100), chunks=50)) + 1
+    with dask.config.set(scheduler="processes", num_workers=2), eugo_dask.what_ran() as report:
+        y.compute()
+    planned = report.plans["gpu_tasks"]
+    assert planned > 0 and report.totals()["planned_gpu"] == 0  # outcomes in the pool's processes
+    assert any(f"{planned} of {planned} GPU-planned tasks ran where this process cannot read"
+               in note for note in report.notes)
+
+
 def _settled(plugin, timeout=30):
     """The plugin's summary once the workers' reports (with their heartbeats) account for every
     GPU-planned task it saw finish."""
