@@ -18,6 +18,7 @@ from eugo_dask.devices.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryE
 from eugo_dask.optimization import eugo, explain
 from eugo_dask.plan import Decision, Plan
 from eugo_dask.profile import PRESETS, Profile, ProfileError
+from eugo_dask.ran import PrefixRan, RanReport, what_ran
 
 register_defaults()
 install_bridge()
@@ -31,8 +32,10 @@ __all__ = [
     "EmulatedDeviceArray",
     "EmulatedOutOfMemoryError",
     "Plan",
+    "PrefixRan",
     "Profile",
     "ProfileError",
+    "RanReport",
     "Settings",
     "bridge",
     "device_stats",
@@ -41,4 +44,5 @@ __all__ = [
     "load_profile",
     "read_settings",
     "reset_device_stats",
+    "what_ran",
 ]

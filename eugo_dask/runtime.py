@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -290,10 +291,46 @@ FALLBACK_REASON = re.compile(
 _reported: set[tuple[str, str]] = set()
 
 
-def _ran(where: str) -> None:
+class _Ledger:
+    """What the GPU-planned tasks of this process did, per task prefix (the plan's prefix,
+    :attr:`DeviceCall.prefix`): tasks and seconds by outcome (:data:`RAN_ON_DEVICE`,
+    :data:`RAN_ON_CPU`) and fallbacks by category (``eugo-fallback-<category>``). Seconds are
+    each :class:`DeviceCall`'s own, timed around it (the CPU path included). Read by
+    :mod:`eugo_dask.ran` (here, or from each worker through ``client.run``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.tasks: Counter[tuple[str, str]] = Counter()
+        self.seconds: dict[tuple[str, str], float] = {}
+
+    def add(self, prefix: str, activity: str, tasks: int = 0, seconds: float = 0.0) -> None:
+        with self._lock:
+            if tasks:
+                self.tasks[(prefix, activity)] += tasks
+            if seconds:
+                self.seconds[(prefix, activity)] = self.seconds.get((prefix, activity), 0.0) + seconds
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``{"tasks" | "seconds": {prefix: {activity: value}}}`` (plain data: it crosses
+        ``client.run``)."""
+        out: dict[str, dict[str, dict[str, float]]] = {"tasks": {}, "seconds": {}}
+        with self._lock:
+            for name, counts in (("tasks", self.tasks), ("seconds", self.seconds)):
+                for (prefix, activity), value in counts.items():
+                    out[name].setdefault(prefix, {})[activity] = value
+        return out
+
+
+ledger = _Ledger()
+
+
+def _ran(where: str, prefix: str) -> None:
     """Report one GPU task's outcome: a Fine Performance Metric the scheduler aggregates per
-    task prefix, and a count on the worker that ran it (``worker.eugo_ran``, which tells
-    workers apart where several share a process, as in ``gen_cluster``)."""
+    task prefix, a count on the worker that ran it (``worker.eugo_ran``, which tells
+    workers apart where several share a process, as in ``gen_cluster``), and one in this
+    process's :data:`ledger` (whose seconds :meth:`DeviceCall.__call__` adds)."""
+    _state.ran = where
+    ledger.add(prefix, where, tasks=1)
     context_meter().digest_metric(where, 1, "tasks")
     worker = current_worker()
     if worker is not None:
@@ -304,6 +341,7 @@ def _ran(where: str) -> None:
 
 
 def _report_fallback(prefix: str, category: FallbackCategory, reason: str) -> None:
+    ledger.add(prefix, f"eugo-fallback-{category}", tasks=1)
     context_meter().digest_metric(f"eugo-fallback-{category}", 1, "tasks")
     if (prefix, reason) in _reported:  # the reason once per prefix; the counts above
         return
@@ -569,8 +607,16 @@ class DeviceCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _cpu_path_active():  # inside another task's CPU path: that task reported itself
             return self._cpu_path(args, kwargs)
+        started, _state.ran = time.perf_counter(), None
+        try:
+            return self._run(args, kwargs)
+        finally:  # the seconds go to the outcome _ran recorded (none if it raised before)
+            if _state.ran is not None:
+                ledger.add(self.prefix, _state.ran, seconds=time.perf_counter() - started)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         if self.cpu_only:  # re-routed by the scheduler: the CPU path is the plan now
-            _ran(RAN_ON_CPU)
+            _ran(RAN_ON_CPU, self.prefix)
             return self._cpu_path(args, kwargs)
         device = usable_device(self.device_name)
         if device is None:
@@ -605,10 +651,10 @@ class DeviceCall:
             reason = f"{_REASON_WORDS['host-chunk']}: {host_only}"
             _stats.add_fallback(reason)
             _report_fallback(self.prefix, "host-chunk", reason)
-            _ran(RAN_ON_CPU)
+            _ran(RAN_ON_CPU, self.prefix)
             return result
         _stats.add(tasks=1)
-        _ran(RAN_ON_DEVICE)
+        _ran(RAN_ON_DEVICE, self.prefix)
         return result
 
     def _fall_back(self, category: FallbackCategory, detail: str, args: tuple, kwargs: dict,
@@ -629,7 +675,7 @@ class DeviceCall:
             )
         else:
             _task_logger.debug("%s fell back to the CPU: %s", self.prefix, reason)
-        _ran(RAN_ON_CPU)
+        _ran(RAN_ON_CPU, self.prefix)
         return self._cpu_path(args, kwargs)
 
     def _cpu_path(self, args: tuple, kwargs: dict) -> Any:
