@@ -69,3 +69,50 @@ def test_the_parser_reads_marks_and_outputs(tmp_path, monkeypatch):
     first, second = parse(page)
     assert (first.skip, first.output, first.line) == ("needs a GPU", None, 4)
     assert (second.skip, second.output, second.code) == (None, "1\n", "print(1)\n")
+
+
+def _docs_hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_configuration_reference_is_the_schema_s_keys_with_their_defaults():
+    """docs/configuration.md's table is rendered from eugo-schema.yaml and eugo.yaml at build
+    time: every key of the schema, with the default eugo.yaml sets, and no key eugo.yaml lacks."""
+    import yaml
+
+    hooks = _docs_hooks()
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page.count(hooks.MARKER) == 1
+    rendered = hooks.on_page_markdown(page, None, None, None)
+    assert hooks.MARKER not in rendered
+    schema = yaml.safe_load((ROOT / "eugo_dask" / "eugo-schema.yaml").read_text())
+    defaults = yaml.safe_load((ROOT / "eugo_dask" / "eugo.yaml").read_text())
+    leaves = dict(hooks.keys(schema["properties"]["eugo"]["properties"]))
+    assert {".".join(path) for path in leaves} >= {"eugo.device", "eugo.min-speedup", "eugo.emulated.devices"}
+    rows = {line.split("|")[1].strip(" `"): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in rendered.splitlines() if line.startswith("| `eugo.")}
+    assert set(rows) == {".".join(path) for path in leaves}
+    for path in leaves:
+        value = defaults
+        for part in path:
+            value = value[part]
+        shown = rows[".".join(path)][1].strip("`")
+        assert shown == (yaml.safe_dump(value).splitlines()[0] if value is None or isinstance(value, bool)
+                         else str(value)), path
+    assert rows["eugo.device"][2] == "`auto`, `cupy`, `emulated`, `none`"
+
+
+def test_the_documented_profile_format_is_a_valid_profile():
+    """The YAML example of docs/profiles.md is a profile eugo accepts."""
+    import yaml
+
+    from eugo_dask.profile import validate_profile_dict
+
+    (block,) = re.findall(r"^```yaml\n(name: .*?)^```", (ROOT / "docs" / "profiles.md").read_text(),
+                          re.M | re.S)
+    validate_profile_dict(yaml.safe_load(block))
