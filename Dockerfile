@@ -1,4 +1,4 @@
-# Images the Helm chart runs (see README, "Kubernetes"). Build from the repository root:
+# Images the Helm chart runs (see docs/clusters.md). Build from the repository root:
 #   docker build --target eugo-dask      -t ghcr.io/eugo/eugo-dask:0.1.0      .
 #   docker build --target eugo-dask-cuda -t ghcr.io/eugo/eugo-dask:0.1.0-cuda .
 # eugo-dask: CUDA runtime, CuPy, Dask + distributed, eugo-dask, Bokeh (dashboard) and

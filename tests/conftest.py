@@ -32,3 +32,13 @@ def h200_server():
     """Plan under the h200 preset with the server-class CPU, default min-speedup."""
     with dask.config.set({"eugo.device": "emulated", "eugo.profile": H200_SERVER}):
         yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After a run of tests/test_docs.py: how many snippets of the pages were not run, and why."""
+    ran = (getattr(report, "nodeid", "") for reports in terminalreporter.stats.values()
+           for report in reports)
+    if any(nodeid.startswith("tests/test_docs.py") for nodeid in ran):
+        from tests.snippets import skipped_summary
+
+        terminalreporter.write_line(skipped_summary())

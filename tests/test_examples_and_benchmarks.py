@@ -1,10 +1,12 @@
-"""The README's commands run as written, in quick mode, and print what they promise.
+"""The commands of the README and the docs run as written, in quick mode, and print what they promise.
 
-The commands are read from README.md's code blocks, so the README and the scripts cannot drift
-apart: a script the README does not list, a README line naming a script that is gone, a
-quickstart sample that is not what a real run prints, or a ``--quick`` that hangs fails here
-(none asserts how long a run takes: a loaded machine must not fail the suite). ``.ci/run`` installs from a clean checkout with the README's install command and runs these
-with the README's test command (checked below too).
+The commands are read from the code blocks of README.md (install and test, the quickstart) and of
+docs/getting-started.md (the quickstart's sample, the examples) and docs/benchmarks.md, so the
+pages and the scripts cannot drift apart: a script the docs do not list, a line naming a script
+that is gone, a quickstart sample that is not what a real run prints, or a ``--quick`` that hangs
+fails here (none asserts how long a run takes: a loaded machine must not fail the suite).
+``.ci/run`` installs from a clean checkout with the README's install command and runs these with
+the README's test command (checked below too).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+GETTING_STARTED = "docs/getting-started.md"
+BENCHMARKS_PAGE = "docs/benchmarks.md"
 #: A run that has not ended by then hangs (``--quick`` takes seconds, at most about 30 s on a
 #: 2-core machine). How long a run takes is the README's to say, not a test's to assert: a busy
 #: machine made a quick run take 124 s and failed the suite when this bound was 120 s.
@@ -27,11 +30,11 @@ HANG_S = 600
 BLAS_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-def readme_section(heading: str) -> str:
-    """The README text under the heading that starts with ``heading``, to the next heading
-    (a ``#`` line inside a code block is a comment, not a heading)."""
+def section(heading: str, doc: str = "README.md") -> str:
+    """The text of ``doc`` (README.md or a docs page) under the heading that starts with
+    ``heading``, to the next heading (a ``#`` line inside a code block is a comment, not a heading)."""
     lines, inside, fenced = [], False, False
-    for line in README.splitlines(keepends=True):
+    for line in (ROOT / doc).read_text().splitlines(keepends=True):
         if line.startswith("```"):
             fenced = not fenced
         elif not fenced and re.match(r"#+ ", line):
@@ -41,32 +44,32 @@ def readme_section(heading: str) -> str:
             continue
         if inside:
             lines.append(line)
-    assert lines, f"README.md has no section {heading!r}"
+    assert lines, f"{doc} has no section {heading!r}"
     return "".join(lines)
 
 
-def code_blocks(heading: str, language: str) -> list[str]:
-    """The fenced ``language`` blocks of a README section."""
-    return re.findall(rf"^```{language}\n(.*?)^```", readme_section(heading), re.M | re.S)
+def code_blocks(heading: str, language: str, doc: str = "README.md") -> list[str]:
+    """The fenced ``language`` blocks of a section of ``doc``."""
+    return re.findall(rf"^```{language}\n(.*?)^```", section(heading, doc), re.M | re.S)
 
 
-def commands(heading: str) -> list[list[str]]:
+def commands(heading: str, doc: str = "README.md") -> list[list[str]]:
     """Each command line of the section's bash blocks, split as a shell would, comments dropped."""
-    return [argv for block in code_blocks(heading, "bash") for line in block.splitlines()
+    return [argv for block in code_blocks(heading, "bash", doc) for line in block.splitlines()
             if (argv := shlex.split(line, comments=True))]
 
 
-def script_commands(heading: str) -> dict[str, list[str]]:
-    """``python SCRIPT ARGS`` lines of a section, by script."""
+def script_commands(heading: str, doc: str) -> dict[str, list[str]]:
+    """``python SCRIPT ARGS`` lines of a section of ``doc``, by script."""
     found = {}
-    for argv in commands(heading):
+    for argv in commands(heading, doc):
         assert argv[0] == "python", f"{heading}: {shlex.join(argv)} does not start with python"
         found[argv[1]] = argv[1:]
     return found
 
 
 def run(argv: list[str], tmp_path: Path) -> str:
-    """Run a README command from the repository root, as the README says, and return stdout.
+    """Run a documented command from the repository root, as written, and return stdout.
 
     The BLAS thread variables are removed from the environment, so that what the benchmarks
     print about their threads is what their own pinning did."""
@@ -78,8 +81,8 @@ def run(argv: list[str], tmp_path: Path) -> str:
     return out.stdout
 
 
-BENCHMARKS = script_commands("Benchmarks")
-EXAMPLES = script_commands("Examples")
+BENCHMARKS = script_commands("Benchmarks", BENCHMARKS_PAGE)
+EXAMPLES = script_commands("Examples", GETTING_STARTED)
 SLOW = {"benchmarks/pass_overhead.py", "benchmarks/enabled_overhead.py",
         "benchmarks/plugin_throughput.py", "benchmarks/prediction_accuracy.py",
         "examples/heterogeneous_cluster.py", "examples/connect_to_chart.py"}
@@ -91,7 +94,7 @@ def params(scripts: dict[str, list[str]]) -> list:
             for script, argv in scripts.items()]
 
 
-def test_readme_lists_every_script_and_only_those():
+def test_docs_list_every_script_and_only_those():
     assert set(BENCHMARKS) == {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").glob("*.py")
                                if not p.name.startswith("_")}
     assert set(EXAMPLES) == {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.py")}
@@ -99,6 +102,8 @@ def test_readme_lists_every_script_and_only_those():
 
 def test_readme_install_and_test_commands_are_what_ci_runs():
     install, browser, test = commands("Install and test")
+    # the getting-started page repeats the README's set-up: the same commands
+    assert commands("Install and test", GETTING_STARTED) == [install, browser, test]
     assert install[:3] == ["pip", "install", "-e"] and test == ["pytest"]
     # the browser test's prerequisite, beside the commands, and what CI installs
     assert browser == ["sudo", "apt-get", "install", "chromium"]
@@ -113,12 +118,14 @@ def test_readme_install_and_test_commands_are_what_ci_runs():
     assert "apt-get install -y -q chromium" in ci
 
 
-def test_quickstart_prints_the_readme_sample(tmp_path):
-    """The README's quickstart command, as written, prints the README's sample to the letter:
-    the plan is priced with presets only, so no figure depends on this machine."""
+def test_quickstart_prints_the_documented_sample(tmp_path):
+    """The README's quickstart command, as written, prints the sample docs/getting-started.md shows
+    for it, to the letter: the plan is priced with presets only, so no figure depends on this
+    machine."""
     (argv,) = commands("Quickstart")
     assert argv[0] == "python" and "--quick" in argv
-    (sample,) = code_blocks("Quickstart", "text")
+    assert commands("Quickstart", GETTING_STARTED) == [argv]
+    (sample,) = code_blocks("Quickstart", "text", GETTING_STARTED)
     out = run(argv[1:], tmp_path)
     assert out == sample
     assert "results identical to plain Dask: True" in out and "0 fallbacks" in out
@@ -200,7 +207,7 @@ def check_root_tasks(out: str) -> None:
 
 @pytest.mark.parametrize("argv", params(BENCHMARKS))
 def test_benchmark_quick(argv, tmp_path):
-    """Each README benchmark line with ``--quick``: one convention, BLAS pinned and reported."""
+    """Each benchmark line of docs/benchmarks.md with ``--quick``: one convention, BLAS pinned and reported."""
     extra = ["--plot", str(tmp_path / "seed.png")] if argv[0].endswith("seed_table.py") else []
     out = run([*argv, "--quick", *extra], tmp_path)
     first = out.splitlines()[0]
@@ -281,6 +288,6 @@ CHECKS.update(quickstart=check_quickstart, heterogeneous_cluster=check_heterogen
 
 @pytest.mark.parametrize("argv", params(EXAMPLES))
 def test_example_quick(argv, tmp_path):
-    """Each README example line with ``--quick`` (connect_to_chart: a local stand-in cluster)."""
+    """Each example line of docs/getting-started.md with ``--quick`` (connect_to_chart: a local stand-in cluster)."""
     out = run([*argv, "--quick"] if "--quick" not in argv else argv, tmp_path)
     CHECKS[Path(argv[0]).stem](out)
