@@ -2,8 +2,9 @@
 
 >>> import dask, dask.array as da
 >>> from eugo_dask import eugo, explain
+>>> a = da.random.default_rng(0).random((4096, 4096), chunks=1024, dtype="float32")
 >>> with dask.config.set(optimizations=[eugo]):   # doctest: +SKIP
-...     result = (a @ b).sum().compute()
+...     result = (a @ a.T).sum().compute()
 
 Importing this package registers the ``eugo.*`` config defaults and the bridge that runs the
 ``optimizations`` config list (see :mod:`eugo_dask.array_optimize`); with that list empty no graph

@@ -401,7 +401,8 @@ def import_cupy() -> Any:
     try:
         import cupy
     except ImportError as e:
-        raise ImportError("eugo-dask GPU support needs CuPy: pip install 'eugo-dask[gpu]'") from e
+        raise ImportError("eugo-dask GPU support needs CuPy: pip install cupy-cuda12x (or, "
+                          "from a checkout of eugo-dask, pip install -e '.[gpu]')") from e
     return cupy
 
 
