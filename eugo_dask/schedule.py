@@ -67,6 +67,13 @@ class Machine:
         if self.cpu_threads < 1 or self.gpus < 0:
             raise ValueError(f"a machine has at least one CPU thread and no negative number of "
                              f"GPUs; got {self.cpu_threads} threads, {self.gpus} GPUs")
+        for name in ("h2d_bytes_per_s", "d2h_bytes_per_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"a machine's {name} must be a positive finite number; "
+                                 f"got {value!r}")
+        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"a machine's latency_s must be zero or more; got {self.latency_s!r}")
 
     @classmethod
     def from_profile(cls, profile: Profile, *, cpu_threads: int | None = None, gpus: int = 1,
@@ -103,6 +110,15 @@ class Costs:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def add_source(self, key: Key, nbytes: int) -> None:
+        """A value on the host from the start: no work, ``nbytes`` to copy where it is read."""
+        self.keys.append(key)
+        self.deps.append(())
+        self.cpu_s.append(0.0)
+        self.gpu_s.append(None)
+        self.nbytes.append(nbytes)
+        self.placement.append(False)
+
     @classmethod
     def from_plan(cls, graph: dict[Key, GraphNode], keys: Key | NestedKeys, description: GraphDescription,
                   plan: Plan, *, cpu_threads: int) -> Costs:
@@ -121,6 +137,12 @@ class Costs:
             est: Estimate | None = estimates.get(key)
             deps = tuple(sorted({index[resolve(d)] for d in node.dependencies
                                  if resolve(d) in index}))
+            embedded = est.in_bytes - sum(out.nbytes[d] for d in deps) if est is not None else 0
+            if embedded > 0 and est is not None and est.gpu_capable:
+                # chunks inside the task (a creation fused into it): a value of their own on
+                # the host, so that the task pays their copy on a device, as the plan does
+                out.add_source(("eugo-embedded", key), embedded)
+                deps = (*deps, len(out.keys) - 1)
             index[key] = len(out.keys)
             out.keys.append(key)
             out.deps.append(deps)
@@ -141,7 +163,9 @@ class Costs:
         out.outputs = frozenset(index[resolve(k)] for k in flatten_keys(keys)
                                 if resolve(k) in index)
         ranks = order(graph)
-        out.priority = [ranks.get(k, 0) for k in out.keys]
+        # (an embedded value just before its task)
+        out.priority = [ranks.get(k[1] if k[0] == "eugo-embedded" else k, 0)
+                        if isinstance(k, tuple) else ranks.get(k, 0) for k in out.keys]
         return out
 
 
@@ -166,15 +190,20 @@ class Bound:
         return 0.05 <= self.gpu_share <= 0.95
 
 
-def lower_bound(costs: Costs, machine: Machine) -> Bound:
-    """No schedule of ``costs`` on ``machine`` finishes sooner (see the module docstring)."""
+def lower_bound(costs: Costs, machine: Machine, *, lp_max_tasks: int = LP_MAX_TASKS,
+                time_limit_s: float | None = None) -> Bound:
+    """No schedule of ``costs`` on ``machine`` finishes sooner (see the module docstring): the
+    LP up to ``lp_max_tasks`` tasks (within ``time_limit_s`` of HiGHS, where given), else, or
+    where the LP gives no answer, the parts bound."""
     if machine.gpus == 0 or not any(g is not None for g in costs.gpu_s):
         return _parts_bound(costs, machine)
-    if len(costs) <= LP_MAX_TASKS:
+    if len(costs) <= lp_max_tasks:
         try:
-            return _lp_bound(costs, machine)
+            bound = _lp_bound(costs, machine, time_limit_s)
         except ImportError:
-            pass
+            bound = None
+        if bound is not None:
+            return bound
     return _parts_bound(costs, machine)
 
 
@@ -245,7 +274,7 @@ def _parts_bound(costs: Costs, machine: Machine) -> Bound:
     return Bound(max(parts.values()), parts, share, "parts")
 
 
-def _lp_bound(costs: Costs, machine: Machine) -> Bound:
+def _lp_bound(costs: Costs, machine: Machine, time_limit_s: float | None) -> Bound | None:
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import coo_array
@@ -325,12 +354,16 @@ def _lp_bound(costs: Costs, machine: Machine) -> Bound:
     for i in x_of.values():
         upper[i] = 1.0
     matrix = coo_array((vals, (rows, cols)), shape=(len(rhs), var)).tocsr()
+    options = {"time_limit": time_limit_s} if time_limit_s is not None else {}
     result = linprog(objective, A_ub=matrix, b_ub=np.asarray(rhs),
-                     bounds=np.column_stack([np.zeros(var), upper]), method="highs")
-    if result.status != 0:  # (not expected: the all-CPU schedule is feasible)
-        return _parts_bound(costs, machine)
-    x = result.x
-    share = {i: float(x[x_of[i]]) for i in capable}
+                     bounds=np.column_stack([np.zeros(var), upper]), method="highs",
+                     options=options)
+    if result.status != 0:  # out of time (the all-CPU schedule is feasible: nothing else)
+        return None
+    # the LP's optimum, less its solver's tolerance, is the bound; the parts below describe the
+    # split it found (splits clipped to [0, 1]: the solver's may stray by its tolerance)
+    seconds = max(float(result.fun) * (1 - 1e-6) - 1e-12, 0.0)
+    share = {i: min(max(float(result.x[x_of[i]]), 0.0), 1.0) for i in capable}
     gpu_work = sum((costs.gpu_s[i] or 0.0) * share[i] for i in capable)
     # the copies the split itself needs (the LP's own copy variables may sit anywhere below T)
     up = dict.fromkeys(moved, 0.0)
@@ -346,8 +379,11 @@ def _lp_bound(costs: Costs, machine: Machine) -> Bound:
         "path": _critical_path(costs, machine),
     }
     total_gpu = sum(costs.gpu_s[i] or 0.0 for i in capable) or 1.0
-    # (the LP's makespan is at least every part; the path part is the copy-free chain)
-    return Bound(max(float(result.fun), *parts.values()), parts, gpu_work / total_gpu, "lp")
+    # (the copy-free critical path is a bound of its own; the LP's optimum is at least it, up to
+    # the solver's tolerance)
+    seconds = max(seconds, parts["path"])
+    return Bound(seconds, {k: min(v, seconds) for k, v in parts.items()},
+                 gpu_work / total_gpu, "lp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +501,8 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
     """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if copies not in ("link", "slot"):
+        raise ValueError(f"copies must be 'link' or 'slot'; got {copies!r}")
     run = _Run(costs, machine, copies)
     order: Sequence[int] = sorted(range(len(costs)), key=lambda i: (costs.priority[i], i)) \
         if costs.priority else range(len(costs))
@@ -518,8 +556,12 @@ def _dependencies_first(order: Sequence[int], deps: list[tuple[int, ...]]) -> li
 # ---------------------------------------------------------------------------------------------
 # What explain() shows
 # ---------------------------------------------------------------------------------------------
-#: explain() simulates graphs up to this many tasks (Dask's ordering alone takes seconds past it)
+#: explain() simulates graphs up to this many described tasks (Dask's ordering alone takes
+#: seconds past it)
 SIMULATE_MAX_TASKS: Final = 100_000
+#: explain()'s bound: the LP up to this many tasks, given at most this many seconds
+EXPLAIN_LP_MAX_TASKS: Final = 3_000
+EXPLAIN_LP_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -535,8 +577,11 @@ class Summary:
     def text(self) -> str:
         m, b, s = self.machine, self.bound, self.predicted
         ratio = s.makespan_s / b.seconds if b.seconds > 0 else 1.0
-        binding = max(b.parts, key=lambda k: b.parts[k])
-        return (f"on {m.cpu_threads} CPU threads and {m.gpus} GPU (the profile's machine): "
+        # the parts within 1% of the bound bind it; none: the LP's copies and path together
+        binding = " and ".join(k for k, v in b.parts.items() if v >= 0.99 * b.seconds) \
+            or "copies and path together"
+        gpus = f"{m.gpus} GPU" + ("s" if m.gpus != 1 else "")
+        return (f"on {m.cpu_threads} CPU threads and {gpus} (the profile's machine): "
                 f"predicted makespan {format_seconds(s.makespan_s)}, lower bound "
                 f"{format_seconds(b.seconds)} ({ratio:.2f}x; bound by {binding}, "
                 f"{b.gpu_share:.0%} of the device-capable work on the GPU); busy "
@@ -550,13 +595,16 @@ class Summary:
                 "busy": {kind: self.predicted.busy_fraction(kind) for kind in ("cpu", "gpu")}}
 
 
-def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys, description: GraphDescription, plan: Plan,
-              profile: Profile, *, copies: CopyMode = "slot") -> Summary | None:
-    """The plan on the profile's machine (its threads, one GPU), or None past
-    :data:`SIMULATE_MAX_TASKS` tasks."""
-    if len(graph) > SIMULATE_MAX_TASKS:
+def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
+              description: GraphDescription, plan: Plan, profile: Profile, *,
+              copies: CopyMode = "slot") -> Summary | None:
+    """The plan on the profile's machine (its threads and GPUs), or None past
+    :data:`SIMULATE_MAX_TASKS` tasks. The bound is the LP up to :data:`EXPLAIN_LP_MAX_TASKS`
+    tasks and within :data:`EXPLAIN_LP_SECONDS`, else the parts bound: explain() stays fast."""
+    if len(description.task_keys) > SIMULATE_MAX_TASKS:
         return None
-    machine = Machine.from_profile(profile, gpus=1)
+    machine = Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
     costs = Costs.from_plan(graph, keys, description, plan, cpu_threads=profile.cpu.threads)
-    return Summary(machine, costs, lower_bound(costs, machine),
-                   simulate(costs, machine, "static", copies=copies))
+    bound = lower_bound(costs, machine, lp_max_tasks=EXPLAIN_LP_MAX_TASKS,
+                        time_limit_s=EXPLAIN_LP_SECONDS)
+    return Summary(machine, costs, bound, simulate(costs, machine, "static", copies=copies))

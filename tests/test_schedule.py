@@ -40,7 +40,7 @@ def test_independent_tasks_split_so_both_kinds_finish_together():
     # per thread, 2/s on the device, so the split gives the device half: 6 / (2 + 2) = 1.5 s
     c = costs([1.0] * 6, [0.5] * 6, [()] * 6, outputs=set())
     for bound in (lower_bound(c, ONE_GPU), _parts(c, ONE_GPU)):
-        assert bound.seconds == pytest.approx(1.5)
+        assert bound.seconds == pytest.approx(1.5, rel=1e-5)  # (the LP's, less its tolerance)
         assert bound.gpu_share == pytest.approx(0.5)
         assert bound.mixed
 
@@ -58,7 +58,7 @@ def test_the_lp_counts_the_copies_the_split_needs():
     lp, parts = lower_bound(c, ONE_GPU), _parts(c, ONE_GPU)
     assert lp.method == "lp"
     assert lp.seconds > parts.seconds
-    assert lp.seconds == pytest.approx(2.0, rel=1e-6)
+    assert lp.seconds == pytest.approx(2.0, rel=1e-5)
     assert simulate(c, ONE_GPU, "all-gpu").makespan_s == pytest.approx(4.0 + 0.2, rel=1e-6)
 
 
@@ -82,7 +82,7 @@ def test_dmda_uses_both_kinds_where_the_static_plan_idles_the_cpu():
     assert dmda.makespan_s == pytest.approx(2.0)
     assert 0 < dmda.gpu_tasks < 8
     assert dmda.busy_fraction("cpu") == pytest.approx(1.0)
-    assert lower_bound(c, ONE_GPU).seconds == pytest.approx(2.0)
+    assert lower_bound(c, ONE_GPU).seconds == pytest.approx(2.0, rel=1e-5)
 
 
 def test_an_unknown_policy_is_refused_with_the_allowed_ones():
@@ -133,3 +133,68 @@ def test_explain_says_the_bound_and_the_predicted_makespan():
     text = str(plan)
     assert "lower bound" in text and "predicted makespan" in text
     assert plan.to_dict()["schedule"]["bound_s"] == pytest.approx(summary.bound.seconds)
+
+
+def test_the_bound_holds_on_random_graphs_with_slow_links():
+    """Random small graphs, machines with slow links and long latencies: no policy's schedule
+    beats the bound, and no part of it is negative (the review's fuzz found the bound taken
+    from the split's parts, its tolerance noise times copies of seconds, 190,000x too high)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(150):
+        n = rng.randint(2, 12)
+        deps = [tuple(sorted(rng.sample(range(i), rng.randint(0, min(i, 3))))) for i in range(n)]
+        cpu = [rng.choice([0.0, rng.uniform(0.001, 2.0)]) for _ in range(n)]
+        gpu = [rng.choice([None, rng.uniform(0.0001, 1.0)]) for _ in range(n)]
+        nbytes = [rng.choice([0, rng.randint(1, 10**9)]) for _ in range(n)]
+        c = costs(cpu, gpu, deps, nbytes=nbytes, outputs={n - 1},
+                  placement=[g is not None and rng.random() < 0.5 for g in gpu])
+        machine = Machine(cpu_threads=rng.randint(1, 8), gpus=rng.randint(1, 3),
+                          h2d_bytes_per_s=rng.choice([1e6, 1e9]),
+                          d2h_bytes_per_s=rng.choice([1e6, 1e9]),
+                          latency_s=rng.choice([0.0, 1.0]))
+        bound = lower_bound(c, machine)
+        assert all(v >= 0 for v in bound.parts.values()), bound
+        assert all(v <= bound.seconds for v in bound.parts.values()), bound
+        for policy in POLICIES:
+            for copies in ("link", "slot"):
+                made = simulate(c, machine, policy, copies=copies).makespan_s
+                assert made >= bound.seconds, (policy, copies, made, bound)
+
+
+def test_a_machine_and_a_copy_mode_that_cannot_be_are_refused():
+    with pytest.raises(ValueError, match="h2d_bytes_per_s must be a positive finite number; got 0"):
+        Machine(cpu_threads=2, gpus=1, h2d_bytes_per_s=0, d2h_bytes_per_s=GB)
+    with pytest.raises(ValueError, match="latency_s must be zero or more; got -1"):
+        Machine(cpu_threads=2, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB, latency_s=-1)
+    with pytest.raises(ValueError, match="copies must be 'link' or 'slot'; got 'wire'"):
+        simulate(costs([1.0], [None], [()]), ONE_GPU, "static", copies="wire")  # type: ignore[arg-type]
+
+
+def test_explain_bounds_large_graphs_by_parts_and_small_ones_by_the_lp():
+    """explain() solves the LP only for graphs it solves quickly (the review: 9 s for a
+    5,717-task graph, 141 s for 19,777); past that the parts bound, which is linear."""
+    from eugo_dask.schedule import EXPLAIN_LP_MAX_TASKS
+
+    small = da.random.random((1024, 1024), chunks=512).astype("float32")
+    large = da.random.random((4096, 4096), chunks=128).astype("float32")
+    assert len(_model(small @ small)) <= EXPLAIN_LP_MAX_TASKS < len(_model(large @ large))
+    with dask.config.set({"eugo.profile": "h200", "eugo.device": "none"}):
+        assert explain(small @ small).schedule.bound.method == "lp"
+        assert explain(large @ large).schedule.bound.method == "parts"
+
+
+def test_chunks_embedded_in_device_tasks_are_copied_in_the_model_as_in_the_plan():
+    """A creation fused into a GPU task (ones into the matmul's chunk products) makes its chunk
+    on the host, which the plan counts as a copy to the device: so does the model (the review:
+    the model had no copy at all, 13 ms short of the plan's own task-seconds)."""
+    ones = da.ones((2048, 2048), chunks=512)
+    with dask.config.set({"eugo.profile": "h200", "eugo.device": "none"}):
+        plan = explain((ones @ ones).sum(), min_speedup=0)
+    summary = plan.schedule
+    machine, copies = summary.machine, plan.copies
+    assert copies.to_device > 0
+    expected = (copies.to_device * machine.latency_s
+                + copies.to_device_bytes / machine.h2d_bytes_per_s)
+    assert summary.predicted.busy["h2d"] == pytest.approx(expected)
