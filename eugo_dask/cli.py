@@ -202,6 +202,8 @@ def _load_module(spec: str, target: str) -> ModuleType:
         loader = module_spec.loader
         _run_module(target, lambda: loader.exec_module(module))
         return module
+    if "" not in sys.path and os.getcwd() not in sys.path:  # (as python -m: the cwd first)
+        sys.path.insert(0, os.getcwd())
     found = _run_module(target, lambda: _find_spec(target))  # a parent package runs
     if found is None:
         raise _target_error(spec, f"no module named {target!r}" + (
@@ -295,12 +297,23 @@ def explain(target: str, as_json: bool, html_path: Path | None, profile: str | N
     """Print the plan for a Dask collection: TARGET is SCRIPT.py:NAME or package.module:NAME."""
     import eugo_dask
 
+    profile_setting: Any = profile
     if profile is not None and not profile.strip():
         from eugo_dask.profile import PRESETS
 
-        raise UserError(f"--profile must be auto, one of the presets {', '.join(PRESETS)}, or a "
-                        f"path to a .yaml/.json profile; got {profile!r}")
-    settings = {k: v for k, v in (("profile", profile), ("min_speedup", min_speedup)) if v is not None}
+        raise UserError(f"--profile must be auto, one of the presets {', '.join(PRESETS)}, a "
+                        f"path to a .yaml/.json profile, or an inline mapping such as "
+                        f"'{{base: h200, cpu: server-x86}}'; got {profile!r}")
+    if profile is not None and profile.lstrip().startswith("{"):  # an inline mapping (YAML/JSON)
+        import yaml
+
+        try:
+            profile_setting = yaml.safe_load(profile)
+        except yaml.YAMLError as e:
+            raise UserError(f"--profile: {profile!r} is not a YAML/JSON mapping "
+                            f"({str(e).splitlines()[0]})") from None
+    settings = {k: v for k, v in (("profile", profile_setting), ("min_speedup", min_speedup))
+                if v is not None}
     _check_settings(settings)
     if html_path is not None:
         check_writable(html_path, "--html")
@@ -308,7 +321,10 @@ def explain(target: str, as_json: bool, html_path: Path | None, profile: str | N
         collection = load_collection(target)
         plan = eugo_dask.explain(collection, **settings)
     if html_path is not None:
-        _write(html_path, plan.to_html(), "--html")
+        try:
+            _write(html_path, plan.to_html(), "--html")
+        except click.ClickException as e:  # a path the check could not see through: the command's
+            raise UserError(e.message) from None
     click.echo(plan.to_json(indent=2) if as_json else str(plan))
 
 

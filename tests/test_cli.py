@@ -240,3 +240,15 @@ def test_version():
     for command in ([EUGO_CLI, "--version"], [sys.executable, "-m", "eugo_dask.cli", "--version"]):
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and result.stdout == f"eugo-dask {__version__}\n", result
+
+
+def test_a_module_in_the_current_directory_with_an_inline_profile(script):
+    """``package.module:NAME`` finds a module in the directory the command runs in (as
+    ``python -m`` does), and ``--profile`` takes the inline mapping the docs' examples use."""
+    result = run_cli("explain", "pipeline:x", "--profile", "{base: h200, cpu: server-x86}",
+                     "--json", cwd=script.parent)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["profile"] == "h200"
+    one_line_error(run_cli("explain", "pipeline:x", "--profile", "{base: h200",
+                           cwd=script.parent), r"^Error: --profile: '\{base: h200' is not a "
+                                                r"YAML/JSON mapping")
