@@ -145,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timed", metavar="S", type=float,
                         help="also run each schedule on the timed cluster, the bound dilated to S s")
     args = _common.parse_args(parser, argv)
+    if args.timed:  # (each timed run starts and stops a cluster: its INFO lines are noise here)
+        import logging
+
+        logging.getLogger("distributed").setLevel(logging.ERROR)
     scale = 2 if args.quick else 1
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as directory:
