@@ -14,9 +14,9 @@ place that reads it; outputs end on the host.
   between the CPU and the devices (StarPU's "area + critical path" bound, ``bound.c``). With
   SciPy it is the linear program over all of it at once (HiGHS); without it, or past
   ``LP_MAX_TASKS`` tasks, the two parts apart (a smaller, still valid bound).
-- :func:`simulate` list-schedules a graph under a policy, tasks in Dask's own order
-  (:func:`dask.order.order`, as workers take them), each on the resource where it finishes
-  first: ``static`` keeps the plan's placement, ``all-cpu`` and ``all-gpu`` what they say,
+- :func:`simulate` list-schedules a graph under a policy: each task, when its inputs are
+  ready (those ready at once in Dask's own order, :func:`dask.order.order`, as workers take
+  them), is queued on the unit where it finishes first: ``static`` keeps the plan's placement, ``all-cpu`` and ``all-gpu`` what they say,
   ``dmda`` chooses per task between the CPU threads and the devices by earliest finish,
   copies included (StarPU's dmda); ``spill`` does so for the plan's GPU tasks only (the CPU
   ones stay). Copies run on the links (``copies="link"``) or, as today's
@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -445,11 +445,11 @@ class _Run:
             self.busy["d2h"] += seconds
         return start + seconds
 
-    def cpu_finish(self, i: int, commit: bool) -> float:
+    def cpu_finish(self, i: int, commit: bool, now: float = 0.0) -> float:
         slots, down = list(self.gpu_free), list(self.down_free)
         ready = max((self._down(d, commit, slots, down) for d in self.costs.deps[i]),
                     default=0.0)
-        start = max(ready, self.threads[0])
+        start = max(ready, self.threads[0], now)
         end = start + self.costs.cpu_s[i]
         if commit:
             self.gpu_free, self.down_free = slots, down
@@ -458,7 +458,7 @@ class _Run:
             self.busy["cpu"] += self.costs.cpu_s[i]
         return end
 
-    def gpu_finish(self, i: int, g: int, commit: bool) -> float:
+    def gpu_finish(self, i: int, g: int, commit: bool, now: float = 0.0) -> float:
         gpu_s = self.costs.gpu_s[i]
         assert gpu_s is not None
         slots, up, down = list(self.gpu_free), list(self.up_free), list(self.down_free)
@@ -475,7 +475,7 @@ class _Run:
                     self.on_gpu[d][g] = there
                     self.busy["h2d"] += seconds
             ready = max(ready, there)
-        start = max(ready, slots[g])
+        start = max(ready, slots[g], now)
         end = slots[g] = start + gpu_s
         if commit:
             self.gpu_free, self.up_free, self.down_free = slots, up, down
@@ -492,8 +492,28 @@ class _Run:
                 self.busy["d2h"] += seconds
         return end
 
-    def best_gpu(self, i: int) -> tuple[float, int]:
-        return min((self.gpu_finish(i, g, False), g) for g in range(self.machine.gpus))
+    def best_gpu(self, i: int, now: float = 0.0) -> tuple[float, int] | None:
+        """The GPU where task ``i``, ready at ``now``, would finish first."""
+        return min(((self.gpu_finish(i, g, False, now), g) for g in range(self.machine.gpus)),
+                   default=None)
+
+    def place(self, i: int, policy: Policy, now: float) -> float:
+        """Queue task ``i``, ready at ``now``, on the unit ``policy`` puts it on (its earliest
+        free thread, or the GPU where it finishes first), as a worker queues what it is given:
+        the time its result is ready."""
+        costs, machine = self.costs, self.machine
+        capable = machine.gpus > 0 and costs.gpu_s[i] is not None
+        on_gpu = capable and (policy == "all-gpu" or
+                              (policy == "static" and costs.placement[i]))
+        best = self.best_gpu(i, now) if capable else None
+        if best is not None and (policy == "dmda" or (policy == "spill" and costs.placement[i])):
+            gpu_end = best[0]
+            if self.host_read[i] and i not in costs.outputs:  # (an output's copy is counted)
+                gpu_end += machine.d2h_s(costs.nbytes[i])  # the copy back a CPU task needs
+            on_gpu = gpu_end < self.cpu_finish(i, False, now)
+        if on_gpu and best is not None:
+            return self.gpu_finish(i, best[1], True, now)
+        return self.cpu_finish(i, True, now)
 
 
 def simulate(costs: Costs, machine: Machine, policy: Policy, *,
@@ -504,53 +524,38 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
     if copies not in ("link", "slot"):
         raise ValueError(f"copies must be 'link' or 'slot'; got {copies!r}")
     run = _Run(costs, machine, copies)
-    order: Sequence[int] = sorted(range(len(costs)), key=lambda i: (costs.priority[i], i)) \
-        if costs.priority else range(len(costs))
-    order = _dependencies_first(order, costs.deps)
-    gpus = machine.gpus > 0
-    for i in order:
-        capable = gpus and costs.gpu_s[i] is not None
-        if capable and (policy == "dmda" or (policy == "spill" and costs.placement[i])):
-            gpu_end, g = run.best_gpu(i)
-            if run.host_read[i] and i not in costs.outputs:  # (an output's copy is counted)
-                gpu_end += machine.d2h_s(costs.nbytes[i])  # the copy back a CPU task needs
-            if gpu_end < run.cpu_finish(i, False):
-                run.gpu_finish(i, g, True)
-            else:
-                run.cpu_finish(i, True)
-        elif capable and (policy == "all-gpu" or (policy == "static" and costs.placement[i])):
-            run.gpu_finish(i, run.best_gpu(i)[1], True)
-        else:
-            run.cpu_finish(i, True)
+    n = len(costs)
+    rank = costs.priority or list(range(n))
+    waiting = [len(deps) for deps in costs.deps]
+    consumers: list[list[int]] = [[] for _ in range(n)]
+    for i, deps in enumerate(costs.deps):
+        for d in deps:
+            consumers[d].append(i)
+    ready = [(rank[i], i) for i in range(n) if not waiting[i]]
+    heapq.heapify(ready)
+    running: list[tuple[float, int]] = []  # (when its result is ready, task)
+    now, done = 0.0, 0
+    while done < n:
+        # the tasks ready now, in Dask's order, each queued where the policy puts it
+        while ready:
+            i = heapq.heappop(ready)[1]
+            heapq.heappush(running, (run.place(i, policy, now), i))
+        # then the next moment a result is ready, and the tasks that it makes ready
+        if not running:  # (not expected: a task that waits on nothing ran)
+            raise RuntimeError(f"the simulation of {policy!r} stopped with {n - done} tasks left")
+        now = running[0][0]
+        while running and running[0][0] <= now:
+            _, j = heapq.heappop(running)
+            done += 1
+            for c in consumers[j]:
+                waiting[c] -= 1
+                if not waiting[c]:
+                    heapq.heappush(ready, (rank[c], c))
     for u in costs.outputs:  # outputs end on the host
         run._down(u, True, run.gpu_free, run.down_free)
     ends = [*run.threads, *run.gpu_free, *run.up_free, *run.down_free]
     return Schedule(policy, max(ends, default=0.0), run.busy, run.gpu_tasks, machine,
                     tuple(run.assignment))
-
-
-def _dependencies_first(order: Sequence[int], deps: list[tuple[int, ...]]) -> list[int]:
-    """``order``, with any task that comes before one of its inputs moved after it."""
-    done = [False] * len(deps)
-    out: list[int] = []
-
-    def visit(i: int) -> None:
-        stack = [i]
-        while stack:
-            j = stack[-1]
-            pending = [d for d in deps[j] if not done[d]]
-            if pending:
-                stack.extend(pending)
-                continue
-            stack.pop()
-            if not done[j]:
-                done[j] = True
-                out.append(j)
-
-    for i in order:
-        if not done[i]:
-            visit(i)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -198,3 +198,14 @@ def test_chunks_embedded_in_device_tasks_are_copied_in_the_model_as_in_the_plan(
     expected = (copies.to_device * machine.latency_s
                 + copies.to_device_bytes / machine.h2d_bytes_per_s)
     assert summary.predicted.busy["h2d"] == pytest.approx(expected)
+
+
+def test_a_free_thread_takes_the_next_ready_task_rather_than_wait_for_dask_s_next():
+    """Four 1 s tasks on two threads, one of them waiting for another: 2 s, as a worker runs
+    them (the review: taken strictly in Dask's order, a thread waited for the chain and it
+    read 3 s)."""
+    c = costs([1.0] * 4, [None] * 4, [(), (0,), (), ()], outputs={1, 2, 3})
+    c.priority = [0, 1, 2, 3]
+    machine = Machine(cpu_threads=2, gpus=0, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    assert simulate(c, machine, "all-cpu").makespan_s == pytest.approx(2.0)
+    assert lower_bound(c, machine).seconds == pytest.approx(2.0)
