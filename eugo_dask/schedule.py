@@ -16,11 +16,12 @@ place that reads it; outputs end on the host.
   ``LP_MAX_TASKS`` tasks, the two parts apart (a smaller, still valid bound).
 - :func:`simulate` list-schedules a graph under a policy: each task, when its inputs are
   ready (those ready at once in Dask's own order, :func:`dask.order.order`, as workers take
-  them), is queued on the unit where it finishes first: ``static`` keeps the plan's placement, ``all-cpu`` and ``all-gpu`` what they say,
-  ``dmda`` chooses per task between the CPU threads and the devices by earliest finish,
-  copies included (StarPU's dmda); ``spill`` does so for the plan's GPU tasks only (the CPU
-  ones stay). Copies run on the links (``copies="link"``) or, as today's
-  copy tasks do when they ask for the GPU resource, in the device's slot (``"slot"``).
+  them), is queued on the unit where it finishes first. ``static`` keeps the plan's
+  placement, ``all-cpu`` and ``all-gpu`` what they say, ``dmda`` chooses per task between
+  the CPU threads and the devices by earliest finish, copies included (StarPU's dmda);
+  ``spill`` does so for the plan's GPU tasks only (the CPU ones stay). Copies run on the
+  links (``copies="link"``) or, as today's copy tasks do when they ask for the GPU
+  resource, in the device's slot (``"slot"``).
 
 Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
 """
