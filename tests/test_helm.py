@@ -148,6 +148,24 @@ def test_kustomize_rejects_duplicate_label_keys(tmp_path):
         yaml.load(manifest, Loader=UniqueKeyLoader)
 
 
+def test_renders_as_a_subchart_of_an_umbrella_chart_with_global_values(tmp_path):
+    """Helm passes `global` to every subchart: the schema must take it (it refused it, so an
+    umbrella chart did not render)."""
+    umbrella = tmp_path / "platform"
+    shutil.copytree(CHART, umbrella / "charts" / "eugo-dask")
+    (umbrella / "templates").mkdir()
+    (umbrella / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: platform\nversion: 0.1.0\n"
+        "dependencies:\n  - name: eugo-dask\n    version: 0.2.0\n")
+    values = {"global": {"imageRegistry": "registry.example.com"},
+              "eugo-dask": {"workerGroups": [{"name": "cpu", "replicas": 3}]}}
+    texts = Chart.load(umbrella).render(values, name="demo", namespace="dask")
+    docs = [d for p, t in texts.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
+    assert by_kind(docs, "Deployment")["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 3
+    report = helm_python.lint(str(umbrella), values, strict=True, with_subcharts=True)
+    assert report["errors"] == [], report
+
+
 @pytest.mark.parametrize(
     "values, match",
     [
