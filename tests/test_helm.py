@@ -436,6 +436,25 @@ def test_without_gpu_groups_there_is_no_gpu_anywhere():
     assert env(pod_specs(docs)["demo-eugo-dask-test"]["containers"][0])["EUGO_TEST_GPU"] == "false"
 
 
+def test_one_flag_scales_one_group():
+    """`--set workerReplicas.gpu=1`, as Helm's own --set parser reads it, scales the GPU group
+    alone (`--set workerGroups[1].replicas=1` replaces the list: the schema refuses it)."""
+    values = helm_python.parse_set_string("workerReplicas.gpu=1")
+    assert values == {"workerReplicas": {"gpu": 1}}
+    docs = render(values)
+    deployments = by_kind(docs, "Deployment")
+    assert deployments["demo-eugo-dask-gpu-worker"]["spec"]["replicas"] == 1
+    assert deployments["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 2
+    (test_pod,) = by_kind(docs, "Pod").values()
+    assert env(test_pod["spec"]["containers"][0])["EUGO_TEST_WORKERS"] == "3"
+    notes = render_text(values)["eugo-dask/templates/NOTES.txt"]
+    assert "gpu: 1 × 1 GPU" in notes and "--set workerReplicas.<group>=<fewer>" in notes
+    with pytest.raises(HelmValuesError, match=r"workerGroups/0"):
+        render(helm_python.parse_set_string("workerGroups[1].replicas=1"))
+    with pytest.raises(HelmRenderError, match=r'workerReplicas.gpus: no worker group is named "gpus" \(groups: cpu, gpu\)'):
+        render(helm_python.parse_set_string("workerReplicas.gpus=1"))
+
+
 # --- calibration ------------------------------------------------------------------------------
 def test_calibration_job_measures_the_gpu_workers_machine():
     docs = rendered("calibration")

@@ -62,6 +62,9 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- fail (printf "workerGroups[%d].name: %q is used by an earlier group; names must be unique" $i $group.name) }}
 {{- end }}
 {{- $names = append $names $group.name }}
+{{- if hasKey $.Values.workerReplicas $group.name }}
+{{- $_ := set $merged "replicas" (get $.Values.workerReplicas $group.name) }}
+{{- end }}
 {{- with $merged.gpu }}
 {{- $_ := set . "count" (.count | default 1) }}
 {{- $_ := set . "taskSlots" (.taskSlots | default 1) }}
@@ -71,6 +74,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end }}
 {{- $groups = append $groups $merged }}
+{{- end }}
+{{- range $name, $_ := .Values.workerReplicas }}
+{{- if not (has $name $names) }}
+{{- fail (printf "workerReplicas.%s: no worker group is named %q (groups: %s)" $name $name (join ", " $names)) }}
+{{- end }}
 {{- end }}
 {{- toJson $groups }}
 {{- end -}}
