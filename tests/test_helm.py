@@ -415,6 +415,24 @@ def test_cuda_worker_mode():
     assert pod["runtimeClassName"] == "nvidia"
 
 
+def test_cuda_worker_groups_get_the_cuda_image_or_are_refused():
+    """`dask cuda` is only in the eugo-dask-cuda image: with the default image a cuda-worker
+    group crash-looped (No such command 'cuda')."""
+    group = {"name": "gpu", "memoryLimit": "auto", "gpu": {"type": "h200", "count": 2, "mode": "cuda-worker"}}
+    values = {"workerGroups": [{"name": "cpu"}, group]}
+    pods = pod_specs(render(values))
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "ghcr.io/eugo/eugo-dask:0.1.0-cuda"
+    assert pods["demo-eugo-dask-cpu-worker"]["containers"][0]["image"] == "ghcr.io/eugo/eugo-dask:0.1.0"
+    pods = pod_specs(render(values | {"image": {"repository": "registry.example.com/eugo-dask", "tag": "0.2.0"}}))
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "registry.example.com/eugo-dask:0.2.0-cuda"
+    own = {"workerGroups": [{"name": "cpu"}, group | {"image": {"repository": "registry.example.com/eugo-dask-cuda", "tag": "1"}}]}
+    assert pod_specs(render(own))["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "registry.example.com/eugo-dask-cuda:1"
+    for wrong in ({"workerDefaults": {"image": {"tag": "0.2.0"}}}, {"workerGroups": [group | {"image": {"tag": "0.1.0"}}]}):
+        with pytest.raises(HelmRenderError, match=r"workerGroups\[\d\] \(gpu\).image: gpu.mode cuda-worker runs `dask cuda "
+                                                  r"worker`, which only the eugo-dask-cuda image has.*got ghcr.io/eugo/eugo-dask:0.[12].0\."):
+            render(values | wrong)
+
+
 def test_two_gpu_types_are_two_groups_priced_by_the_first():
     docs = rendered("two-gpu-types")
     pods = pod_specs(docs)

@@ -69,6 +69,18 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $_ := set . "count" (.count | default 1) }}
 {{- $_ := set . "taskSlots" (.taskSlots | default 1) }}
 {{- $_ := set . "mode" (.mode | default "worker") }}
+{{- if eq .mode "cuda-worker" }}
+{{- /* `dask cuda` is only in the eugo-dask-cuda image (tagged <tag>-cuda): a group that names
+       no tag of its own gets it; one that names another image must name a cuda one */}}
+{{- $image := deepCopy ($merged.image | default dict) }}
+{{- if not $image.tag }}
+{{- $_ := set $image "tag" (printf "%s-cuda" $.Values.image.tag) }}
+{{- $_ := set $merged "image" $image }}
+{{- end }}
+{{- if not (contains "cuda" (printf "%s:%s" ($image.repository | default $.Values.image.repository) $image.tag)) }}
+{{- fail (printf "workerGroups[%d] (%s).image: gpu.mode cuda-worker runs `dask cuda worker`, which only the eugo-dask-cuda image has (the Dockerfile's eugo-dask-cuda target, tagged <tag>-cuda); got %s:%s. Leave image.tag unset for <image.tag>-cuda, or name a cuda image" $i $group.name ($image.repository | default $.Values.image.repository) $image.tag) }}
+{{- end }}
+{{- end }}
 {{- if and (eq .mode "cuda-worker") (ne (toString $merged.memoryLimit) "auto") }}
 {{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
 {{- end }}
