@@ -315,6 +315,27 @@ def test_default_chart():
     assert test_env["EUGO_TEST_WORKERS"] == "3" and test_env["EUGO_TEST_PROFILE"] == "h200"
 
 
+def test_a_client_setting_changes_no_pod_template():
+    """eugo.minSpeedup and eugo.learn are client defaults: changing one changed the scheduler's
+    and every worker's pod template, and so restarted the cluster (the scheduler with Recreate,
+    losing every result)."""
+    values = VALUE_SETS["everything"]
+    before = render(values, revision=1, is_install=True)
+    after = render(values | {"eugo": values["eugo"] | {"minSpeedup": 3.0, "learn": True}}, revision=2, is_upgrade=True)
+    templates = {}
+    for docs in (before, after):
+        for d in docs:
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+                templates.setdefault(d["metadata"]["name"], []).append(d["spec"]["template"])
+    assert len(templates) == 3
+    for name, (one, two) in templates.items():
+        assert one == two, name
+    # the code the chart runs as a client (helm test) still gets them
+    (test_pod,) = by_kind(after, "Pod").values()
+    test_env = env(test_pod["spec"]["containers"][0])
+    assert test_env["DASK_EUGO__MIN_SPEEDUP"] == "3" and test_env["DASK_EUGO__LEARN"] == "true"
+
+
 def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
     docs = rendered("everything")
     policies = by_kind(docs, "NetworkPolicy")

@@ -214,12 +214,17 @@ volumeMounts:
 {{- end }}
 {{- end -}}
 
-{{/* The eugo settings as Dask config. */}}
+{{/* The eugo settings as Dask config. (root, device, client: true for a pod that runs client
+     code, the helm test, which also gets the client defaults minSpeedup and learn; they travel
+     with each client's graphs, so the scheduler and workers never read them, and a change to
+     them must not change their pod templates, which would restart the cluster) */}}
 {{- define "eugo-dask.eugoEnv" -}}
 - {name: DASK_EUGO__DEVICE, value: {{ .device | quote }}}
-- {name: DASK_EUGO__MIN_SPEEDUP, value: {{ .root.Values.eugo.minSpeedup | quote }}}
 - {name: DASK_EUGO__RESOURCE, value: {{ .root.Values.eugo.resource | quote }}}
+{{- if .client }}
+- {name: DASK_EUGO__MIN_SPEEDUP, value: {{ .root.Values.eugo.minSpeedup | quote }}}
 - {name: DASK_EUGO__LEARN, value: {{ .root.Values.eugo.learn | quote }}}
+{{- end }}
 {{- end -}}
 
 {{/* Volumes: the /tmp scratch emptyDir (size-limited), the TLS Secret for a Dask process,
