@@ -499,7 +499,9 @@ def test_calibration_job_measures_the_gpu_workers_machine():
     docs = rendered("calibration")
     job = calibration_job(docs)
     spec = job["spec"]
-    assert spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
+    assert spec["activeDeadlineSeconds"] > 0
+    # no TTL: once it deleted the Job, every upgrade or sync re-created it
+    assert "ttlSecondsAfterFinished" not in spec
     pod = spec["template"]["spec"]
     worker = pod_specs(docs)["demo-eugo-dask-gpu-worker"]
     (container,) = pod["containers"]
@@ -546,6 +548,13 @@ def test_an_upgrade_keeps_the_job_and_the_calibrated_profile():
                    {"resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}):
         changed = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | change]}
         assert calibration_job(render(changed, revision=3, is_upgrade=True))["metadata"]["name"] != job["metadata"]["name"], change
+
+
+def test_calibration_ttl_only_when_asked_for():
+    values = VALUE_SETS["calibration"]
+    assert "ttlSecondsAfterFinished" not in calibration_job(render(values))["spec"]
+    ttl = calibration_job(render(values | {"calibration": values["calibration"] | {"ttlSecondsAfterFinished": 0}}))
+    assert ttl["spec"]["ttlSecondsAfterFinished"] == 0
 
 
 def _fake_service_account(root: Path, ca_file: str) -> Path:
