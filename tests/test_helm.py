@@ -454,6 +454,41 @@ def test_cuda_worker_groups_get_the_cuda_image_or_are_refused():
             render(values | wrong)
 
 
+def _bytes(quantity: str) -> float:
+    from dask.utils import parse_bytes
+
+    return parse_bytes(quantity.replace("i", "iB") if quantity[-1] == "i" else quantity)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_workers_spill_below_their_scratch_limit_and_request_it(name):
+    """Dask's spill was unlimited, /tmp an emptyDir with a sizeLimit, and no ephemeral-storage
+    requested: past the limit the kubelet evicted the worker and its results were lost."""
+    docs = rendered(name)
+    for pod_name, pod in pod_specs(docs).items():
+        (container,) = pod["containers"]
+        (scratch,) = [v for v in pod["volumes"] if v["name"] == "scratch"]
+        limit = scratch["emptyDir"]["sizeLimit"]
+        assert container["resources"]["requests"]["ephemeral-storage"] == limit, pod_name
+        if pod_name.endswith("-worker"):
+            processes = gpus(pod) if container["args"][1] == "cuda" else 1
+            max_spill = int(env(container)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"])
+            assert 0 < max_spill * processes < _bytes(limit), pod_name
+    if name == "default":
+        (gpu,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+        assert env(gpu)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"] == str(16 * 2**30)
+    if name == "cuda-worker":  # four GPU processes, each with its own spill
+        (gpu,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+        assert env(gpu)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"] == str(4 * 2**30)
+
+
+def test_a_spill_cap_at_or_above_the_scratch_limit_is_refused():
+    with pytest.raises(HelmRenderError, match=r"workerGroups\[0\] \(cpu\).maxSpill: 20Gi must be below scratchSizeLimit 20Gi"):
+        render({"workerGroups": [{"name": "cpu", "maxSpill": "20Gi"}]})
+    cpu = pod_specs(render({"workerGroups": [{"name": "cpu", "maxSpill": False}]}))["demo-eugo-dask-cpu-worker"]
+    assert "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL" not in env(cpu["containers"][0])
+
+
 def test_two_gpu_types_are_two_groups_priced_by_the_first():
     docs = rendered("two-gpu-types")
     pods = pod_specs(docs)
@@ -512,7 +547,10 @@ def test_calibration_job_measures_the_gpu_workers_machine():
     assert args_after(container["args"], "--inputs") == "$(JOB_NAME)"
     assert container["env"][0] == {"name": "JOB_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['job-name']"}}}
     # the workers' requests (not BestEffort), one GPU, the workers' placement
-    assert container["resources"] == worker["containers"][0]["resources"]
+    def without_scratch(resources):  # each pod requests its own /tmp emptyDir's size
+        return resources | {"requests": {k: v for k, v in resources["requests"].items() if k != "ephemeral-storage"}}
+
+    assert without_scratch(container["resources"]) == without_scratch(worker["containers"][0]["resources"])
     assert container["resources"]["requests"]["cpu"] == "4"
     assert pod["runtimeClassName"] == worker["runtimeClassName"] == "nvidia"
     assert pod["tolerations"] == worker["tolerations"]

@@ -85,6 +85,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
 {{- end }}
 {{- end }}
+{{- if $merged.maxSpill }}
+{{- if ge (include "eugo-dask.bytes" $merged.maxSpill | float64) (include "eugo-dask.bytes" $merged.scratchSizeLimit | float64) }}
+{{- fail (printf "workerGroups[%d] (%s).maxSpill: %s must be below scratchSizeLimit %s (the /tmp emptyDir workers spill to; past it the kubelet evicts the pod)" $i $group.name $merged.maxSpill $merged.scratchSizeLimit) }}
+{{- end }}
+{{- end }}
 {{- $groups = append $groups $merged }}
 {{- end }}
 {{- range $name, $_ := .Values.workerReplicas }}
@@ -93,6 +98,16 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- end }}
 {{- toJson $groups }}
+{{- end -}}
+
+{{/* A Kubernetes quantity (the chart's scratchSizeLimit and maxSpill pattern) in bytes, as a
+     float64 string. */}}
+{{- define "eugo-dask.bytes" -}}
+{{- $number := regexFind "^[0-9.]+" (toString .) }}
+{{- $unit := trimPrefix $number (toString .) }}
+{{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+      "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- mulf (float64 $number) (get $units $unit) -}}
 {{- end -}}
 
 {{/* The first GPU group (its gpu.type prices plans; calibration measures it), "{}" if none. */}}
@@ -191,6 +206,12 @@ env:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- $resources := deepCopy (.pod.resources | default dict) }}
+{{- /* the /tmp emptyDir's size, requested: the pod lands where the node has that much disk */}}
+{{- $requests := $resources.requests | default dict }}
+{{- if not (hasKey $requests "ephemeral-storage") }}
+{{- $_ := set $requests "ephemeral-storage" (.pod.scratchSizeLimit | default "1Gi") }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
 {{- if .gpus }}
 {{- $limits := $resources.limits | default dict }}
 {{- $_ := set $limits "nvidia.com/gpu" .gpus }}
