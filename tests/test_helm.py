@@ -208,6 +208,40 @@ def test_values_the_schema_cannot_judge_fail_the_render(values, match):
         render(values)
 
 
+LONG_RELEASE = "r" * 53  # the longest release name Helm allows
+
+
+@pytest.mark.parametrize("name", ["default", "everything", "calibration", "two-gpu-types"])
+def test_every_name_and_label_fits_63_characters_with_a_53_character_release_name(name):
+    """The API server refuses names (and label values) over 63 characters: the profile ConfigMap
+    was 76 with a 53-character release name."""
+    values = VALUE_SETS[name] | {"ingress": {"enabled": True}}
+    docs = render(values, name=LONG_RELEASE, namespace="n" * 63)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(set(names)) == len(names)
+    for d in docs:
+        assert len(d["metadata"]["name"]) <= 63, (d["kind"], d["metadata"]["name"])
+        assert d["metadata"]["name"].startswith("r" * 20), d["metadata"]["name"]
+        templates = [d["spec"]["template"]["metadata"]] if d["kind"] in ("Deployment", "Job") else []
+        for meta in [d["metadata"], *templates]:
+            for key, value in meta.get("labels", {}).items():
+                assert len(str(value)) <= 63, (d["kind"], key, value)
+    by = {k: by_kind(docs, k) for k in ("Deployment", "Service", "ConfigMap")}
+    (scheduler,) = [n for n in by["Service"] if n.endswith("-scheduler")]
+    assert scheduler in by["Deployment"]
+    # what refers to a name finds it: the workers' scheduler address, the mounted ConfigMaps
+    for pod_name, pod in pod_specs(docs).items():
+        (c,) = pod["containers"]
+        if c["args"][0] == "dask" and "scheduler" not in c["args"][:2]:
+            assert f"://{scheduler}:8786" in " ".join(c["args"]), pod_name
+        for volume in pod["volumes"]:
+            if "configMap" in volume and volume["configMap"]["name"].startswith("rrr"):  # the chart's
+                assert volume["configMap"]["name"] in by["ConfigMap"], (pod_name, volume)
+    notes = render_text(values, name=LONG_RELEASE)["eugo-dask/templates/NOTES.txt"]
+    assert f"svc/{scheduler} " in notes
+    assert all(f"deployment/{n}" in notes for n in by["Deployment"] if n.endswith("-worker"))
+
+
 # --- pods -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_pods_run_under_tini_with_their_own_labels_and_pull_secrets(name):

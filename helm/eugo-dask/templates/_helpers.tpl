@@ -2,6 +2,24 @@
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* An object's name: <fullname>-<suffix>, at most 63 characters (the API server refuses
+     longer names; a 53-character release name is allowed). Too long, the fullname is cut and a
+     hash of the whole name keeps names apart: <cut fullname>-<hash>-<suffix>. (root, suffix) */}}
+{{- define "eugo-dask.name" -}}
+{{- $full := include "eugo-dask.fullname" .root }}
+{{- $name := printf "%s-%s" $full .suffix }}
+{{- if gt (len $name) 63 }}
+{{- $hash := sha256sum $name | trunc 6 }}
+{{- $keep := int (sub 63 (add (len .suffix) 8)) }}
+{{- if gt $keep 0 }}
+{{- $name = printf "%s-%s-%s" ($full | trunc $keep | trimSuffix "-") $hash .suffix }}
+{{- else }}
+{{- $name = printf "%s-%s" ($name | trunc 56 | trimSuffix "-") $hash }}
+{{- end }}
+{{- end }}
+{{- $name -}}
+{{- end -}}
+
 {{/* Labels select pods by name, instance and component; each key is written once. */}}
 {{- define "eugo-dask.selectorLabels" -}}
 app.kubernetes.io/name: {{ .root.Chart.Name }}
@@ -24,11 +42,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
 {{- define "eugo-dask.profileConfigMap" -}}
-{{- printf "%s-eugo-profile" (include "eugo-dask.fullname" .) -}}
+{{- include "eugo-dask.name" (dict "root" . "suffix" "eugo-profile") -}}
 {{- end -}}
 
 {{- define "eugo-dask.schedulerAddress" -}}
-{{- printf "%s://%s-scheduler:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
+{{- printf "%s://%s:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.name" (dict "root" . "suffix" "scheduler")) .Values.scheduler.port -}}
 {{- end -}}
 
 {{/* With tls.enabled, what a Dask process needs: the Secret and Dask's TLS config. */}}
