@@ -81,8 +81,8 @@ def pod_specs(docs) -> dict[str, dict]:
     return pods
 
 
-def gpus(pod: dict) -> int:
-    return sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
+def gpus(pod: dict, resource: str = "nvidia.com/gpu") -> int:
+    return sum(c.get("resources", {}).get("limits", {}).get(resource, 0) for c in pod["containers"])
 
 
 def env(container: dict) -> dict[str, str]:
@@ -521,6 +521,21 @@ def test_a_spill_cap_at_or_above_the_scratch_limit_is_refused():
         render({"workerGroups": [{"name": "cpu", "maxSpill": "20Gi"}]})
     cpu = pod_specs(render({"workerGroups": [{"name": "cpu", "maxSpill": False}]}))["demo-eugo-dask-cpu-worker"]
     assert "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL" not in env(cpu["containers"][0])
+
+
+def test_gpu_resource_name_for_mig_and_time_slicing():
+    """nvidia.com/gpu was hard-coded: where the device plugin offers MIG profiles or a renamed
+    time-slicing resource, the pods stayed Pending."""
+    values = {"workerGroups": [{"name": "cpu"}, {"name": "mig", "gpu": {"type": "h200", "resourceName": "nvidia.com/mig-1g.18gb"}}],
+              "calibration": {"enabled": True}}
+    docs = render(values)
+    pods = pod_specs(docs)
+    mig = pods["demo-eugo-dask-mig-worker"]
+    assert gpus(mig, "nvidia.com/mig-1g.18gb") == 1 and gpus(mig) == 0
+    assert gpus(calibration_job(docs)["spec"]["template"]["spec"], "nvidia.com/mig-1g.18gb") == 1
+    assert "nvidia.com/gpu\"" not in json.dumps([p["containers"] for p in pods.values()])
+    with pytest.raises(HelmValuesError, match=r"workerGroups/1/gpu/resourceName"):
+        render({"workerGroups": [{"name": "cpu"}, {"name": "mig", "gpu": {"type": "h200", "resourceName": "a b"}}]})
 
 
 def test_two_gpu_types_are_two_groups_priced_by_the_first():

@@ -87,6 +87,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $_ := set . "count" (.count | default 1) }}
 {{- $_ := set . "taskSlots" (.taskSlots | default 1) }}
 {{- $_ := set . "mode" (.mode | default "worker") }}
+{{- $_ := set . "resourceName" (.resourceName | default "nvidia.com/gpu") }}
 {{- if eq .mode "cuda-worker" }}
 {{- /* `dask cuda` is only in the eugo-dask-cuda image (tagged <tag>-cuda): a group that names
        no tag of its own gets it; one that names another image must name a cuda one */}}
@@ -193,7 +194,7 @@ topologySpreadConstraints:
 {{- end -}}
 
 {{/* Container settings shared by every container: image, env, resources, securityContext,
-     mounts. (root, pod, gpus, env: the component's own EnvVars, mounts: its own volumeMounts,
+     mounts. (root, pod, gpus, gpuResource: the resource they are (nvidia.com/gpu), env: the component's own EnvVars, mounts: its own volumeMounts,
      dask: true for a Dask process, which gets the TLS settings) The pod's env replaces an
      entry of the same name. */}}
 {{- define "eugo-dask.containerSettings" -}}
@@ -232,7 +233,7 @@ env:
 {{- end }}
 {{- if .gpus }}
 {{- $limits := $resources.limits | default dict }}
-{{- $_ := set $limits "nvidia.com/gpu" .gpus }}
+{{- $_ := set $limits (.gpuResource | default "nvidia.com/gpu") .gpus }}
 {{- $_ := set $resources "limits" $limits }}
 {{- end }}
 resources:
