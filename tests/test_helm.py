@@ -397,6 +397,18 @@ def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
     assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
 
 
+def test_external_traffic_policy_keeps_client_addresses_for_ip_block_peers():
+    """A LoadBalancer with NetworkPolicy ipBlock peers sees node IPs unless the Service's
+    externalTrafficPolicy is Local, which could not be set."""
+    values = {"service": {"type": "LoadBalancer", "externalTrafficPolicy": "Local"},
+              "networkPolicy": {"clients": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}}
+    service = by_kind(render(values), "Service")["demo-eugo-dask-scheduler"]
+    assert service["spec"]["externalTrafficPolicy"] == "Local"
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(service, version, strict=True)
+    assert "externalTrafficPolicy" not in by_kind(rendered("default"), "Service")["demo-eugo-dask-scheduler"]["spec"]
+
+
 def test_ingress_serves_the_dashboard_only():
     (ingress,) = by_kind(rendered("ingress"), "Ingress").values()
     backends = [p["backend"]["service"]["port"] for r in ingress["spec"]["rules"] for p in r["http"]["paths"]]
