@@ -463,7 +463,11 @@ def test_tls_reaches_every_dask_process():
         assert {"name": "dask-tls", "secret": {"secretName": "dask-tls"}} in pods[name]["volumes"]
     assert args_after(pods["demo-eugo-dask-scheduler"]["containers"][0]["args"], "--protocol") == "tls"
     assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["args"][2] == "tls://demo-eugo-dask-scheduler:8786"
-    assert "tls://demo-eugo-dask-scheduler:8786" in render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    notes = render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    assert "tls://demo-eugo-dask-scheduler:8786" in notes
+    # the port-forward line printed tcp:// under TLS, which the scheduler refuses
+    assert 'Client("tls://localhost:8786", security=Security(tls_ca_file=' in notes and "tcp://" not in notes
+    assert 'Client("tcp://localhost:8786")' in render_text({})["eugo-dask/templates/NOTES.txt"]
     with pytest.raises(HelmRenderError, match=r"tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key"):
         render({"tls": {"enabled": True}})
 
