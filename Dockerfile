@@ -37,9 +37,10 @@ WORKDIR /tmp
 # the chart mounts a writable /tmp (read-only root filesystem)
 ENV HOME=/tmp XDG_CACHE_HOME=/tmp/cache
 
-# tini is PID 1: it reaps zombies and forwards signals to the whole process group (-g), so a
-# `dask worker` closes gracefully on SIGTERM. The chart sets `args`, never `command`.
-ENTRYPOINT ["tini", "-g", "--"]
+# tini is PID 1: it reaps zombies and forwards signals to its child only, the nanny of
+# `dask worker`, which then closes its worker (eugo's worker teardown runs). With -g the worker
+# process got the SIGTERM too and died outright. The chart sets `args`, never `command`.
+ENTRYPOINT ["tini", "--"]
 CMD ["dask", "scheduler", "--preload", "eugo_dask.plugin"]
 
 FROM eugo-dask AS eugo-dask-cuda

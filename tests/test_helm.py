@@ -81,8 +81,8 @@ def pod_specs(docs) -> dict[str, dict]:
     return pods
 
 
-def gpus(pod: dict) -> int:
-    return sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
+def gpus(pod: dict, resource: str = "nvidia.com/gpu") -> int:
+    return sum(c.get("resources", {}).get("limits", {}).get(resource, 0) for c in pod["containers"])
 
 
 def env(container: dict) -> dict[str, str]:
@@ -148,6 +148,24 @@ def test_kustomize_rejects_duplicate_label_keys(tmp_path):
         yaml.load(manifest, Loader=UniqueKeyLoader)
 
 
+def test_renders_as_a_subchart_of_an_umbrella_chart_with_global_values(tmp_path):
+    """Helm passes `global` to every subchart: the schema must take it (it refused it, so an
+    umbrella chart did not render)."""
+    umbrella = tmp_path / "platform"
+    shutil.copytree(CHART, umbrella / "charts" / "eugo-dask")
+    (umbrella / "templates").mkdir()
+    (umbrella / "Chart.yaml").write_text(
+        "apiVersion: v2\nname: platform\nversion: 0.1.0\n"
+        "dependencies:\n  - name: eugo-dask\n    version: 0.2.0\n")
+    values = {"global": {"imageRegistry": "registry.example.com"},
+              "eugo-dask": {"workerGroups": [{"name": "cpu", "replicas": 3}]}}
+    texts = Chart.load(umbrella).render(values, name="demo", namespace="dask")
+    docs = [d for p, t in texts.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
+    assert by_kind(docs, "Deployment")["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 3
+    report = helm_python.lint(str(umbrella), values, strict=True, with_subcharts=True)
+    assert report["errors"] == [], report
+
+
 @pytest.mark.parametrize(
     "values, match",
     [
@@ -188,6 +206,40 @@ def test_bad_values_rejected_with_a_clear_message(values, match):
 def test_values_the_schema_cannot_judge_fail_the_render(values, match):
     with pytest.raises(HelmRenderError, match=match):
         render(values)
+
+
+LONG_RELEASE = "r" * 53  # the longest release name Helm allows
+
+
+@pytest.mark.parametrize("name", ["default", "everything", "calibration", "two-gpu-types"])
+def test_every_name_and_label_fits_63_characters_with_a_53_character_release_name(name):
+    """The API server refuses names (and label values) over 63 characters: the profile ConfigMap
+    was 76 with a 53-character release name."""
+    values = VALUE_SETS[name] | {"ingress": {"enabled": True}}
+    docs = render(values, name=LONG_RELEASE, namespace="n" * 63)
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(set(names)) == len(names)
+    for d in docs:
+        assert len(d["metadata"]["name"]) <= 63, (d["kind"], d["metadata"]["name"])
+        assert d["metadata"]["name"].startswith("r" * 20), d["metadata"]["name"]
+        templates = [d["spec"]["template"]["metadata"]] if d["kind"] in ("Deployment", "Job") else []
+        for meta in [d["metadata"], *templates]:
+            for key, value in meta.get("labels", {}).items():
+                assert len(str(value)) <= 63, (d["kind"], key, value)
+    by = {k: by_kind(docs, k) for k in ("Deployment", "Service", "ConfigMap")}
+    (scheduler,) = [n for n in by["Service"] if n.endswith("-scheduler")]
+    assert scheduler in by["Deployment"]
+    # what refers to a name finds it: the workers' scheduler address, the mounted ConfigMaps
+    for pod_name, pod in pod_specs(docs).items():
+        (c,) = pod["containers"]
+        if c["args"][0] == "dask" and "scheduler" not in c["args"][:2]:
+            assert f"://{scheduler}:8786" in " ".join(c["args"]), pod_name
+        for volume in pod["volumes"]:
+            if "configMap" in volume and volume["configMap"]["name"].startswith("rrr"):  # the chart's
+                assert volume["configMap"]["name"] in by["ConfigMap"], (pod_name, volume)
+    notes = render_text(values, name=LONG_RELEASE)["eugo-dask/templates/NOTES.txt"]
+    assert f"svc/{scheduler} " in notes
+    assert all(f"deployment/{n}" in notes for n in by["Deployment"] if n.endswith("-worker"))
 
 
 # --- pods -------------------------------------------------------------------------------------
@@ -297,6 +349,27 @@ def test_default_chart():
     assert test_env["EUGO_TEST_WORKERS"] == "3" and test_env["EUGO_TEST_PROFILE"] == "h200"
 
 
+def test_a_client_setting_changes_no_pod_template():
+    """eugo.minSpeedup and eugo.learn are client defaults: changing one changed the scheduler's
+    and every worker's pod template, and so restarted the cluster (the scheduler with Recreate,
+    losing every result)."""
+    values = VALUE_SETS["everything"]
+    before = render(values, revision=1, is_install=True)
+    after = render(values | {"eugo": values["eugo"] | {"minSpeedup": 3.0, "learn": True}}, revision=2, is_upgrade=True)
+    templates = {}
+    for docs in (before, after):
+        for d in docs:
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+                templates.setdefault(d["metadata"]["name"], []).append(d["spec"]["template"])
+    assert len(templates) == 3
+    for name, (one, two) in templates.items():
+        assert one == two, name
+    # the code the chart runs as a client (helm test) still gets them
+    (test_pod,) = by_kind(after, "Pod").values()
+    test_env = env(test_pod["spec"]["containers"][0])
+    assert test_env["DASK_EUGO__MIN_SPEEDUP"] == "3" and test_env["DASK_EUGO__LEARN"] == "true"
+
+
 def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
     docs = rendered("everything")
     policies = by_kind(docs, "NetworkPolicy")
@@ -322,6 +395,18 @@ def test_network_policy_admits_only_the_release_and_named_clients_to_8786():
     assert default == [{"from": [release], "ports": [{"port": "tcp-comm", "protocol": "TCP"}]},
                        {"ports": [{"port": "http-dashboard", "protocol": "TCP"}]}]
     assert not by_kind(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def test_external_traffic_policy_keeps_client_addresses_for_ip_block_peers():
+    """A LoadBalancer with NetworkPolicy ipBlock peers sees node IPs unless the Service's
+    externalTrafficPolicy is Local, which could not be set."""
+    values = {"service": {"type": "LoadBalancer", "externalTrafficPolicy": "Local"},
+              "networkPolicy": {"clients": [{"ipBlock": {"cidr": "10.1.0.0/16"}}]}}
+    service = by_kind(render(values), "Service")["demo-eugo-dask-scheduler"]
+    assert service["spec"]["externalTrafficPolicy"] == "Local"
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(service, version, strict=True)
+    assert "externalTrafficPolicy" not in by_kind(rendered("default"), "Service")["demo-eugo-dask-scheduler"]["spec"]
 
 
 def test_ingress_serves_the_dashboard_only():
@@ -378,7 +463,11 @@ def test_tls_reaches_every_dask_process():
         assert {"name": "dask-tls", "secret": {"secretName": "dask-tls"}} in pods[name]["volumes"]
     assert args_after(pods["demo-eugo-dask-scheduler"]["containers"][0]["args"], "--protocol") == "tls"
     assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["args"][2] == "tls://demo-eugo-dask-scheduler:8786"
-    assert "tls://demo-eugo-dask-scheduler:8786" in render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    notes = render_text(VALUE_SETS["tls"])["eugo-dask/templates/NOTES.txt"]
+    assert "tls://demo-eugo-dask-scheduler:8786" in notes
+    # the port-forward line printed tcp:// under TLS, which the scheduler refuses
+    assert 'Client("tls://localhost:8786", security=Security(tls_ca_file=' in notes and "tcp://" not in notes
+    assert 'Client("tcp://localhost:8786")' in render_text({})["eugo-dask/templates/NOTES.txt"]
     with pytest.raises(HelmRenderError, match=r"tls.secretName: tls.enabled needs a Secret with ca.crt, tls.crt and tls.key"):
         render({"tls": {"enabled": True}})
 
@@ -395,6 +484,74 @@ def test_cuda_worker_mode():
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert pod["containers"][0]["image"].endswith(":0.1.0-cuda")
     assert pod["runtimeClassName"] == "nvidia"
+
+
+def test_cuda_worker_groups_get_the_cuda_image_or_are_refused():
+    """`dask cuda` is only in the eugo-dask-cuda image: with the default image a cuda-worker
+    group crash-looped (No such command 'cuda')."""
+    group = {"name": "gpu", "memoryLimit": "auto", "gpu": {"type": "h200", "count": 2, "mode": "cuda-worker"}}
+    values = {"workerGroups": [{"name": "cpu"}, group]}
+    pods = pod_specs(render(values))
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "ghcr.io/eugo/eugo-dask:0.1.0-cuda"
+    assert pods["demo-eugo-dask-cpu-worker"]["containers"][0]["image"] == "ghcr.io/eugo/eugo-dask:0.1.0"
+    pods = pod_specs(render(values | {"image": {"repository": "registry.example.com/eugo-dask", "tag": "0.2.0"}}))
+    assert pods["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "registry.example.com/eugo-dask:0.2.0-cuda"
+    own = {"workerGroups": [{"name": "cpu"}, group | {"image": {"repository": "registry.example.com/eugo-dask-cuda", "tag": "1"}}]}
+    assert pod_specs(render(own))["demo-eugo-dask-gpu-worker"]["containers"][0]["image"] == "registry.example.com/eugo-dask-cuda:1"
+    for wrong in ({"workerDefaults": {"image": {"tag": "0.2.0"}}}, {"workerGroups": [group | {"image": {"tag": "0.1.0"}}]}):
+        with pytest.raises(HelmRenderError, match=r"workerGroups\[\d\] \(gpu\).image: gpu.mode cuda-worker runs `dask cuda "
+                                                  r"worker`, which only the eugo-dask-cuda image has.*got ghcr.io/eugo/eugo-dask:0.[12].0\."):
+            render(values | wrong)
+
+
+def _bytes(quantity: str) -> float:
+    from dask.utils import parse_bytes
+
+    return parse_bytes(quantity.replace("i", "iB") if quantity[-1] == "i" else quantity)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_workers_spill_below_their_scratch_limit_and_request_it(name):
+    """Dask's spill was unlimited, /tmp an emptyDir with a sizeLimit, and no ephemeral-storage
+    requested: past the limit the kubelet evicted the worker and its results were lost."""
+    docs = rendered(name)
+    for pod_name, pod in pod_specs(docs).items():
+        (container,) = pod["containers"]
+        (scratch,) = [v for v in pod["volumes"] if v["name"] == "scratch"]
+        limit = scratch["emptyDir"]["sizeLimit"]
+        assert container["resources"]["requests"]["ephemeral-storage"] == limit, pod_name
+        if pod_name.endswith("-worker"):
+            processes = gpus(pod) if container["args"][1] == "cuda" else 1
+            max_spill = int(env(container)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"])
+            assert 0 < max_spill * processes < _bytes(limit), pod_name
+    if name == "default":
+        (gpu,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+        assert env(gpu)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"] == str(16 * 2**30)
+    if name == "cuda-worker":  # four GPU processes, each with its own spill
+        (gpu,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+        assert env(gpu)["DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL"] == str(4 * 2**30)
+
+
+def test_a_spill_cap_at_or_above_the_scratch_limit_is_refused():
+    with pytest.raises(HelmRenderError, match=r"workerGroups\[0\] \(cpu\).maxSpill: 20Gi must be below scratchSizeLimit 20Gi"):
+        render({"workerGroups": [{"name": "cpu", "maxSpill": "20Gi"}]})
+    cpu = pod_specs(render({"workerGroups": [{"name": "cpu", "maxSpill": False}]}))["demo-eugo-dask-cpu-worker"]
+    assert "DASK_DISTRIBUTED__WORKER__MEMORY__MAX_SPILL" not in env(cpu["containers"][0])
+
+
+def test_gpu_resource_name_for_mig_and_time_slicing():
+    """nvidia.com/gpu was hard-coded: where the device plugin offers MIG profiles or a renamed
+    time-slicing resource, the pods stayed Pending."""
+    values = {"workerGroups": [{"name": "cpu"}, {"name": "mig", "gpu": {"type": "h200", "resourceName": "nvidia.com/mig-1g.18gb"}}],
+              "calibration": {"enabled": True}}
+    docs = render(values)
+    pods = pod_specs(docs)
+    mig = pods["demo-eugo-dask-mig-worker"]
+    assert gpus(mig, "nvidia.com/mig-1g.18gb") == 1 and gpus(mig) == 0
+    assert gpus(calibration_job(docs)["spec"]["template"]["spec"], "nvidia.com/mig-1g.18gb") == 1
+    assert "nvidia.com/gpu\"" not in json.dumps([p["containers"] for p in pods.values()])
+    with pytest.raises(HelmValuesError, match=r"workerGroups/1/gpu/resourceName"):
+        render({"workerGroups": [{"name": "cpu"}, {"name": "mig", "gpu": {"type": "h200", "resourceName": "a b"}}]})
 
 
 def test_two_gpu_types_are_two_groups_priced_by_the_first():
@@ -418,12 +575,33 @@ def test_without_gpu_groups_there_is_no_gpu_anywhere():
     assert env(pod_specs(docs)["demo-eugo-dask-test"]["containers"][0])["EUGO_TEST_GPU"] == "false"
 
 
+def test_one_flag_scales_one_group():
+    """`--set workerReplicas.gpu=1`, as Helm's own --set parser reads it, scales the GPU group
+    alone (`--set workerGroups[1].replicas=1` replaces the list: the schema refuses it)."""
+    values = helm_python.parse_set_string("workerReplicas.gpu=1")
+    assert values == {"workerReplicas": {"gpu": 1}}
+    docs = render(values)
+    deployments = by_kind(docs, "Deployment")
+    assert deployments["demo-eugo-dask-gpu-worker"]["spec"]["replicas"] == 1
+    assert deployments["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 2
+    (test_pod,) = by_kind(docs, "Pod").values()
+    assert env(test_pod["spec"]["containers"][0])["EUGO_TEST_WORKERS"] == "3"
+    notes = render_text(values)["eugo-dask/templates/NOTES.txt"]
+    assert "gpu: 1 × 1 GPU" in notes and "--set workerReplicas.<group>=<fewer>" in notes
+    with pytest.raises(HelmValuesError, match=r"workerGroups/0"):
+        render(helm_python.parse_set_string("workerGroups[1].replicas=1"))
+    with pytest.raises(HelmRenderError, match=r'workerReplicas.gpus: no worker group is named "gpus" \(groups: cpu, gpu\)'):
+        render(helm_python.parse_set_string("workerReplicas.gpus=1"))
+
+
 # --- calibration ------------------------------------------------------------------------------
 def test_calibration_job_measures_the_gpu_workers_machine():
     docs = rendered("calibration")
     job = calibration_job(docs)
     spec = job["spec"]
-    assert spec["activeDeadlineSeconds"] > 0 and spec["ttlSecondsAfterFinished"] > 0
+    assert spec["activeDeadlineSeconds"] > 0
+    # no TTL: once it deleted the Job, every upgrade or sync re-created it
+    assert "ttlSecondsAfterFinished" not in spec
     pod = spec["template"]["spec"]
     worker = pod_specs(docs)["demo-eugo-dask-gpu-worker"]
     (container,) = pod["containers"]
@@ -434,7 +612,10 @@ def test_calibration_job_measures_the_gpu_workers_machine():
     assert args_after(container["args"], "--inputs") == "$(JOB_NAME)"
     assert container["env"][0] == {"name": "JOB_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['job-name']"}}}
     # the workers' requests (not BestEffort), one GPU, the workers' placement
-    assert container["resources"] == worker["containers"][0]["resources"]
+    def without_scratch(resources):  # each pod requests its own /tmp emptyDir's size
+        return resources | {"requests": {k: v for k, v in resources["requests"].items() if k != "ephemeral-storage"}}
+
+    assert without_scratch(container["resources"]) == without_scratch(worker["containers"][0]["resources"])
     assert container["resources"]["requests"]["cpu"] == "4"
     assert pod["runtimeClassName"] == worker["runtimeClassName"] == "nvidia"
     assert pod["tolerations"] == worker["tolerations"]
@@ -470,6 +651,13 @@ def test_an_upgrade_keeps_the_job_and_the_calibrated_profile():
                    {"resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}):
         changed = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | change]}
         assert calibration_job(render(changed, revision=3, is_upgrade=True))["metadata"]["name"] != job["metadata"]["name"], change
+
+
+def test_calibration_ttl_only_when_asked_for():
+    values = VALUE_SETS["calibration"]
+    assert "ttlSecondsAfterFinished" not in calibration_job(render(values))["spec"]
+    ttl = calibration_job(render(values | {"calibration": values["calibration"] | {"ttlSecondsAfterFinished": 0}}))
+    assert ttl["spec"]["ttlSecondsAfterFinished"] == 0
 
 
 def _fake_service_account(root: Path, ca_file: str) -> Path:

@@ -2,6 +2,24 @@
 {{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* An object's name: <fullname>-<suffix>, at most 63 characters (the API server refuses
+     longer names; a 53-character release name is allowed). Too long, the fullname is cut and a
+     hash of the whole name keeps names apart: <cut fullname>-<hash>-<suffix>. (root, suffix) */}}
+{{- define "eugo-dask.name" -}}
+{{- $full := include "eugo-dask.fullname" .root }}
+{{- $name := printf "%s-%s" $full .suffix }}
+{{- if gt (len $name) 63 }}
+{{- $hash := sha256sum $name | trunc 6 }}
+{{- $keep := int (sub 63 (add (len .suffix) 8)) }}
+{{- if gt $keep 0 }}
+{{- $name = printf "%s-%s-%s" ($full | trunc $keep | trimSuffix "-") $hash .suffix }}
+{{- else }}
+{{- $name = printf "%s-%s" ($name | trunc 56 | trimSuffix "-") $hash }}
+{{- end }}
+{{- end }}
+{{- $name -}}
+{{- end -}}
+
 {{/* Labels select pods by name, instance and component; each key is written once. */}}
 {{- define "eugo-dask.selectorLabels" -}}
 app.kubernetes.io/name: {{ .root.Chart.Name }}
@@ -24,11 +42,11 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
 {{- define "eugo-dask.profileConfigMap" -}}
-{{- printf "%s-eugo-profile" (include "eugo-dask.fullname" .) -}}
+{{- include "eugo-dask.name" (dict "root" . "suffix" "eugo-profile") -}}
 {{- end -}}
 
 {{- define "eugo-dask.schedulerAddress" -}}
-{{- printf "%s://%s-scheduler:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.fullname" .) .Values.scheduler.port -}}
+{{- printf "%s://%s:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.name" (dict "root" . "suffix" "scheduler")) .Values.scheduler.port -}}
 {{- end -}}
 
 {{/* With tls.enabled, what a Dask process needs: the Secret and Dask's TLS config. */}}
@@ -62,17 +80,53 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- fail (printf "workerGroups[%d].name: %q is used by an earlier group; names must be unique" $i $group.name) }}
 {{- end }}
 {{- $names = append $names $group.name }}
+{{- if hasKey $.Values.workerReplicas $group.name }}
+{{- $_ := set $merged "replicas" (get $.Values.workerReplicas $group.name) }}
+{{- end }}
 {{- with $merged.gpu }}
 {{- $_ := set . "count" (.count | default 1) }}
 {{- $_ := set . "taskSlots" (.taskSlots | default 1) }}
 {{- $_ := set . "mode" (.mode | default "worker") }}
+{{- $_ := set . "resourceName" (.resourceName | default "nvidia.com/gpu") }}
+{{- if eq .mode "cuda-worker" }}
+{{- /* `dask cuda` is only in the eugo-dask-cuda image (tagged <tag>-cuda): a group that names
+       no tag of its own gets it; one that names another image must name a cuda one */}}
+{{- $image := deepCopy ($merged.image | default dict) }}
+{{- if not $image.tag }}
+{{- $_ := set $image "tag" (printf "%s-cuda" $.Values.image.tag) }}
+{{- $_ := set $merged "image" $image }}
+{{- end }}
+{{- if not (contains "cuda" (printf "%s:%s" ($image.repository | default $.Values.image.repository) $image.tag)) }}
+{{- fail (printf "workerGroups[%d] (%s).image: gpu.mode cuda-worker runs `dask cuda worker`, which only the eugo-dask-cuda image has (the Dockerfile's eugo-dask-cuda target, tagged <tag>-cuda); got %s:%s. Leave image.tag unset for <image.tag>-cuda, or name a cuda image" $i $group.name ($image.repository | default $.Values.image.repository) $image.tag) }}
+{{- end }}
+{{- end }}
 {{- if and (eq .mode "cuda-worker") (ne (toString $merged.memoryLimit) "auto") }}
 {{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
 {{- end }}
 {{- end }}
+{{- if $merged.maxSpill }}
+{{- if ge (include "eugo-dask.bytes" $merged.maxSpill | float64) (include "eugo-dask.bytes" $merged.scratchSizeLimit | float64) }}
+{{- fail (printf "workerGroups[%d] (%s).maxSpill: %s must be below scratchSizeLimit %s (the /tmp emptyDir workers spill to; past it the kubelet evicts the pod)" $i $group.name $merged.maxSpill $merged.scratchSizeLimit) }}
+{{- end }}
+{{- end }}
 {{- $groups = append $groups $merged }}
 {{- end }}
+{{- range $name, $_ := .Values.workerReplicas }}
+{{- if not (has $name $names) }}
+{{- fail (printf "workerReplicas.%s: no worker group is named %q (groups: %s)" $name $name (join ", " $names)) }}
+{{- end }}
+{{- end }}
 {{- toJson $groups }}
+{{- end -}}
+
+{{/* A Kubernetes quantity (the chart's scratchSizeLimit and maxSpill pattern) in bytes, as a
+     float64 string. */}}
+{{- define "eugo-dask.bytes" -}}
+{{- $number := regexFind "^[0-9.]+" (toString .) }}
+{{- $unit := trimPrefix $number (toString .) }}
+{{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
+      "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
+{{- mulf (float64 $number) (get $units $unit) -}}
 {{- end -}}
 
 {{/* The first GPU group (its gpu.type prices plans; calibration measures it), "{}" if none. */}}
@@ -140,7 +194,7 @@ topologySpreadConstraints:
 {{- end -}}
 
 {{/* Container settings shared by every container: image, env, resources, securityContext,
-     mounts. (root, pod, gpus, env: the component's own EnvVars, mounts: its own volumeMounts,
+     mounts. (root, pod, gpus, gpuResource: the resource they are (nvidia.com/gpu), env: the component's own EnvVars, mounts: its own volumeMounts,
      dask: true for a Dask process, which gets the TLS settings) The pod's env replaces an
      entry of the same name. */}}
 {{- define "eugo-dask.containerSettings" -}}
@@ -171,9 +225,15 @@ env:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- $resources := deepCopy (.pod.resources | default dict) }}
+{{- /* the /tmp emptyDir's size, requested: the pod lands where the node has that much disk */}}
+{{- $requests := $resources.requests | default dict }}
+{{- if not (hasKey $requests "ephemeral-storage") }}
+{{- $_ := set $requests "ephemeral-storage" (.pod.scratchSizeLimit | default "1Gi") }}
+{{- $_ := set $resources "requests" $requests }}
+{{- end }}
 {{- if .gpus }}
 {{- $limits := $resources.limits | default dict }}
-{{- $_ := set $limits "nvidia.com/gpu" .gpus }}
+{{- $_ := set $limits (.gpuResource | default "nvidia.com/gpu") .gpus }}
 {{- $_ := set $resources "limits" $limits }}
 {{- end }}
 resources:
@@ -194,12 +254,17 @@ volumeMounts:
 {{- end }}
 {{- end -}}
 
-{{/* The eugo settings as Dask config. */}}
+{{/* The eugo settings as Dask config. (root, device, client: true for a pod that runs client
+     code, the helm test, which also gets the client defaults minSpeedup and learn; they travel
+     with each client's graphs, so the scheduler and workers never read them, and a change to
+     them must not change their pod templates, which would restart the cluster) */}}
 {{- define "eugo-dask.eugoEnv" -}}
 - {name: DASK_EUGO__DEVICE, value: {{ .device | quote }}}
-- {name: DASK_EUGO__MIN_SPEEDUP, value: {{ .root.Values.eugo.minSpeedup | quote }}}
 - {name: DASK_EUGO__RESOURCE, value: {{ .root.Values.eugo.resource | quote }}}
+{{- if .client }}
+- {name: DASK_EUGO__MIN_SPEEDUP, value: {{ .root.Values.eugo.minSpeedup | quote }}}
 - {name: DASK_EUGO__LEARN, value: {{ .root.Values.eugo.learn | quote }}}
+{{- end }}
 {{- end -}}
 
 {{/* Volumes: the /tmp scratch emptyDir (size-limited), the TLS Secret for a Dask process,
