@@ -166,7 +166,8 @@ def test_cupy_device_without_cupy_says_how_to_install():
         import cupy  # noqa: F401
     except ImportError:
         with dask.config.set({"eugo.device": "cupy"}):
-            with pytest.raises(ImportError, match=r"pip install 'eugo-dask\[gpu\]'"):
+            with pytest.raises(ImportError, match=r"pip install cupy-cuda12x \(or, from a checkout "
+                                                  r"of eugo-dask, pip install -e '\.\[gpu\]'\)"):
                 read_settings().resolved()
     else:  # pragma: no cover - machines with CuPy
         pytest.skip("CuPy is installed here")
