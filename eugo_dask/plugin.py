@@ -60,12 +60,15 @@ from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
 from eugo_dask.pass_log import plan_work, recent_plans
 from eugo_dask.rewrite import (
+    COPY_ROLES,
     CPU_ROLE,
     DEVICE_ROLES,
     GPU_ROLE,
     HOST_ROLE,
     TODEVICE_ROLE,
     TOHOST_ROLE,
+    Role,
+    device_request,
 )
 from eugo_dask.runtime import (
     EVENT_TOPIC,
@@ -242,7 +245,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self.cpu_keys.add(key)
             elif kind in DEVICE_ROLES:
                 self.gpu_keys.add(key)
-                wanted = self._asking_for_device(ts, asked)
+                wanted = self._asking_for_device(ts, kind, asked)
                 if self._device_fits(scheduler, ts, wanted, fits):
                     ts.resource_restrictions = wanted
                 else:  # (or the GPU workers left between planning and now)
@@ -268,16 +271,17 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.usage.append(usage)
         return usage
 
-    def _asking_for_device(self, ts: TaskState, asked: dict[Any, dict[str, Any]]
+    def _asking_for_device(self, ts: TaskState, role: Role, asked: dict[Any, dict[str, Any]]
                            ) -> dict[str, Any]:
-        """The resources a device task asks for: the user's own (the scheduler applied them:
-        the pass left the resource to the plugin, so as not to replace them) and the GPU
-        resource. One dict per distinct request, shared by the tasks that make it."""
+        """The resources a device task of ``role`` asks for: the user's own (the scheduler
+        applied them: the pass left the resource to the plugin, so as not to replace them) and
+        the GPU resource's (:func:`~eugo_dask.rewrite.device_request`: the slot for device work,
+        none of it for a copy). One dict per distinct request, shared by the tasks that make it."""
         user = ts.resource_restrictions
-        request = frozenset(user.items()) if user else None
+        request = (role in COPY_ROLES, frozenset(user.items()) if user else None)
         wanted = asked.get(request)
         if wanted is None:
-            wanted = asked[request] = {self.resource: 1, **(user or {})}
+            wanted = asked[request] = device_request(role, self.resource, user)
         return wanted
 
     def _device_fits(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any],
@@ -299,6 +303,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             named = {scheduler.coerce_hostname(h) for h in hosts} if hosts else set()
             fit = fits[restriction] = any(
                 (not (workers or hosts) or ws.address in (workers or ()) or ws.host in named)
+                and ws.resources.get(self.resource, 0) > 0  # a GPU worker (a copy asks for 0)
                 and all(ws.resources.get(r, 0) >= n for r, n in wanted.items())
                 for ws in scheduler.workers.values())
         return fit

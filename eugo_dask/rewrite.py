@@ -117,8 +117,23 @@ TODEVICE_ROLE: Final = "todevice"
 TOHOST_ROLE: Final = "tohost"
 HOST_ROLE: Final = "host"
 CPU_ROLE: Final = "cpu"
-#: Roles that need the GPU resource (device work and the copies on either side of it).
+#: Roles that run on GPU workers (device work and the copies on either side of it).
 DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
+#: Roles that move data over the link: on a GPU worker, but never holding its GPU slot.
+COPY_ROLES: frozenset[Role] = frozenset({TODEVICE_ROLE, TOHOST_ROLE})
+
+
+def device_request(role: Role, resource: str, user: dict[str, Any] | None = None
+                   ) -> dict[str, Any]:
+    """The resources a task of ``role`` asks for on top of the user's own (``user``).
+
+    Device work holds one unit of ``resource``, the GPU slot: one kernel stream per GPU. A copy
+    asks for none of it (``{resource: 0}``): it still goes only to workers that advertise the
+    resource (distributed's ``valid_workers`` keeps the workers that have it, and a worker
+    runs a task whose request it meets: 0 of 0 free), but it runs on a thread of its own while
+    a kernel holds the slot, so copies and kernels overlap instead of taking turns. The link is
+    shared by the copies in flight; CUDA orders each direction's copies on the device."""
+    return {resource: 0 if role in COPY_ROLES else 1, **(user or {})}
 #: A task's role with the estimates behind it: (role, CPU seconds, seconds as chosen).
 RoleEntry = tuple[Role, float | None, float | None]
 
@@ -131,8 +146,9 @@ class TaskRoles:
     ``host`` marks aggregation, ``finalize`` and I/O, which belong on CPU workers), every
     annotation the user put on the original tasks (``carried``: type -> key -> value), and, where
     the pass asks for it (``resource`` not None), ``resources``: ``{resource: 1}`` for device
-    work and transfers, so only GPU workers run them, with the resources the user asked of the
-    task (its own, or else ``resources``: those around ``compute``). Keys with nothing get None,
+    work and ``{resource: 0}`` for transfers (:func:`device_request`), so only GPU workers run
+    them, with the resources the user asked of the task (its own, or else ``resources``: those
+    around ``compute``). Keys with nothing get None,
     which the scheduler ignores.
 
     A per-key ``resources`` replaces the one the user gave the whole submission
@@ -155,7 +171,9 @@ class TaskRoles:
         self.carried = carried or {}
         self.resources = resources or {}
         self._shared: dict[RoleEntry, dict[str, Any]] = {}
-        self._device_resources = {resource: 1, **self.resources} if resource is not None else {}
+        self._device_resources: dict[Role, dict[str, Any]] = (
+            {role: device_request(role, resource, self.resources) for role in DEVICE_ROLES}
+            if resource is not None else {})
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (TaskRoles, (self.roles, self.resource, self.carried, self.resources, self.plan))
@@ -177,7 +195,8 @@ class TaskRoles:
         if kind == "resources" and self.resource is not None:
             role = self.roles.get(key)
             if role is not None and role[0] in DEVICE_ROLES:
-                return {self.resource: 1, **user} if user else self._device_resources
+                return (device_request(role[0], self.resource, user) if user
+                        else self._device_resources[role[0]])
         return user
 
     def annotations(self) -> dict[str, Any]:

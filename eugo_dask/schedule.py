@@ -20,8 +20,8 @@ place that reads it; outputs end on the host.
   placement, ``all-cpu`` and ``all-gpu`` what they say, ``dmda`` chooses per task between
   the CPU threads and the devices by earliest finish, copies included (StarPU's dmda);
   ``spill`` does so for the plan's GPU tasks only (the CPU ones stay). Copies run on the
-  links (``copies="link"``) or, as today's copy tasks do when they ask for the GPU
-  resource, in the device's slot (``"slot"``).
+  links (``copies="link"``: eugo's copy tasks ask for none of the GPU slot and overlap the
+  kernels) or, as they did when they held the GPU resource, in the device's slot (``"slot"``).
 
 Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
 """
@@ -603,7 +603,7 @@ class Summary:
 
 def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
               description: GraphDescription, plan: Plan, profile: Profile, *,
-              copies: CopyMode = "slot") -> Summary | None:
+              copies: CopyMode = "link") -> Summary | None:
     """The plan on the profile's machine (its threads and GPUs), or None past
     :data:`SIMULATE_MAX_TASKS` tasks. The bound is the LP up to :data:`EXPLAIN_LP_MAX_TASKS`
     tasks and within :data:`EXPLAIN_LP_SECONDS`, else the parts bound: explain() stays fast."""

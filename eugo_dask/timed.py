@@ -9,7 +9,8 @@ one kernel at a time). Copies are tasks of their own that sleep ``latency + byte
 
 - ``copies="link"``: on the GPU worker's link, one per direction (resources ``UP`` and ``DOWN``
   of 1), beside the kernel;
-- ``copies="slot"``: holding the worker's ``GPU`` resource, as eugo's copy tasks do today.
+- ``copies="slot"``: holding the worker's ``GPU`` resource, as eugo's copy tasks did before they
+  asked for none of it.
 
 Where each task runs is the simulated schedule's ``assignment`` (a CPU thread, or GPU ``g``), set
 as worker restrictions; the order is distributed's own (Dask's priorities). What comes back is

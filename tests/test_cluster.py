@@ -273,6 +273,36 @@ def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
         assert len(ahead) == 1 and "tasks are assigned to GPU worker gpu" in ahead[0], warnings
 
 
+def test_copies_overlap_kernels_on_a_gpu_worker(tmp_path):
+    # a GPU worker with two threads and one GPU slot, whose device takes 50 ms a kernel: copies
+    # ask for none of the slot, so they run on the other thread while a kernel holds it (when
+    # they held the slot, a copy and a kernel never ran at the same time)
+    from distributed import get_task_stream
+
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": ["--preload", SLOW_DEVICE]},
+               "cpu": {}}
+    x = da.from_array(_Lazy((2400, 2400)), chunks=300)  # 64 reads
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS), get_task_stream(client) as stream:
+            total = float(client.compute(np.exp(np.sin(x)).sum()).result(timeout=120))
+    assert total == pytest.approx(2400 * 2400 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+    spans: dict[str, list[tuple[float, float]]] = {"copy": [], "kernel": []}
+    for record in stream.data:
+        name = record["key"][0] if isinstance(record["key"], tuple) else record["key"]
+        kind = ("copy" if name.startswith(("eugo-todevice", "eugo-tohost")) else
+                "kernel" if name.startswith("eugo-gpu") else None)
+        compute = [s for s in record["startstops"] if s["action"] == "compute"]
+        if kind is not None and compute:
+            spans[kind].append((compute[0]["start"], compute[0]["stop"]))
+    assert len(spans["kernel"]) >= 64 and len(spans["copy"]) >= 64, {k: len(v) for k, v in spans.items()}
+    # a copy inside a kernel's 50 ms, clear of its ends (the worker stamps a task's stop after
+    # it hands the slot on, so the next task may start a fraction of a millisecond before it)
+    margin = 0.005
+    overlapping = [c for c in spans["copy"]
+                   if any(k[0] + margin <= c[0] and c[1] <= k[1] - margin for k in spans["kernel"])]
+    assert overlapping, "no copy ran while a kernel held the GPU slot"
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Bad settings
 # ---------------------------------------------------------------------------------------------
@@ -510,12 +540,16 @@ def test_every_task_keeps_the_users_restrictions(tmp_path):
             assert device and not [r for r in runs["plain"] if is_device_task(r[0])]
             for mode, seen in runs.items():
                 for prefix, resources, worker_restrictions, hosts, loose, ran_on in seen:
-                    # every task as the user said, eugo's device tasks on the GPU worker besides
-                    mine = {"GPU": 1} if is_device_task(prefix) else {}
+                    # every task as the user said, eugo's device tasks on the GPU worker besides:
+                    # kernels hold its slot, copies ask for none of it (they overlap kernels)
+                    mine = ({"GPU": 0} if prefix.startswith(("eugo-todevice", "eugo-tohost"))
+                            else {"GPU": 1} if is_device_task(prefix) else {})
                     assert resources == {**user["resources"], **mine}, (mode, prefix, resources)
                     assert worker_restrictions == user["workers"], (mode, prefix)
                     assert not hosts and not loose, (mode, prefix)
                     assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
+            for kind in ("eugo-todevice", "eugo-tohost", "eugo-gpu"):  # each kind was checked
+                assert any(prefix.startswith(kind) for prefix, *_ in device), (kind, device)
             assert {ran_on for *_, ran_on in device} == {"gpu"}
 
 

@@ -20,7 +20,8 @@ def test_the_pass_asks_beside_the_users_resources_as_dask_applies_them():
     # a task's own annotation replaces the global one in Dask: it is not merged with it
     assert resources(TaskRoles(ROLES, "GPU", OWN, AROUND)) == {
         ("gpu", 0): {"GPU": 1, "MEM": 2}, ("gpu", 1): {"GPU": 1, "MEM": 1},
-        ("copy", 0): {"GPU": 1, "MEM": 1}, ("host", 0): {"MEM": 2}}
+        ("copy", 0): {"GPU": 0, "MEM": 1}, ("host", 0): {"MEM": 2}}
+    # (a copy goes to GPU workers without holding the slot; the user's own count wins)
     assert resources(TaskRoles(ROLES, "GPU", {}, {"GPU": 2})) == {
         ("gpu", 0): {"GPU": 2}, ("gpu", 1): {"GPU": 2}, ("copy", 0): {"GPU": 2},
         ("host", 0): None}

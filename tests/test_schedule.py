@@ -126,10 +126,10 @@ def test_explain_says_the_bound_and_the_predicted_makespan():
     summary = plan.schedule
     assert summary is not None
     assert summary.predicted.makespan_s >= summary.bound.seconds > 0
-    # (today's copy tasks ask for the GPU resource: they run in the device's slot)
+    # (copy tasks ask for none of the GPU slot: they run on the links, beside the kernels)
     assert math.isclose(summary.predicted.makespan_s,
                         simulate(summary.costs, summary.machine, "static",
-                                 copies="slot").makespan_s)
+                                 copies="link").makespan_s)
     text = str(plan)
     assert "lower bound" in text and "predicted makespan" in text
     assert plan.to_dict()["schedule"]["bound_s"] == pytest.approx(summary.bound.seconds)
