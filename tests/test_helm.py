@@ -208,6 +208,23 @@ def test_values_the_schema_cannot_judge_fail_the_render(values, match):
         render(values)
 
 
+@pytest.mark.parametrize("memory_limit, container", [("17GiB", "16Gi"), ("17.2GB", "16Gi"), ("18 G", "16Gi"), ("2Gi", "1Gi")])
+def test_a_memory_limit_above_the_containers_is_refused(memory_limit, container):
+    """Dask spills, pauses and restarts a worker by its memoryLimit: above the container's limit
+    the kernel kills it first (OOMKilled), and nothing tied the two."""
+    group = {"name": "cpu", "memoryLimit": memory_limit, "resources": {"limits": {"memory": container}}}
+    with pytest.raises(HelmRenderError, match=rf"workerGroups\[0\] \(cpu\).memoryLimit: {memory_limit} is above the "
+                                              rf"container's memory limit {container} \(resources.limits.memory\)"):
+        render({"workerGroups": [group]})
+
+
+@pytest.mark.parametrize("memory_limit, container", [("16GiB", "16Gi"), ("16 GB", "16Gi"), ("0.9", "16Gi"), ("auto", "1Gi"), ("1Gi", "1Gi")])
+def test_a_memory_limit_at_or_below_the_containers_renders(memory_limit, container):
+    group = {"name": "cpu", "memoryLimit": memory_limit, "resources": {"limits": {"memory": container}}}
+    (worker,) = pod_specs(render({"workerGroups": [group]}))["demo-eugo-dask-cpu-worker"]["containers"]
+    assert args_after(worker["args"], "--memory-limit") == memory_limit
+
+
 LONG_RELEASE = "r" * 53  # the longest release name Helm allows
 
 
@@ -651,6 +668,26 @@ def test_an_upgrade_keeps_the_job_and_the_calibrated_profile():
                    {"resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}):
         changed = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | change]}
         assert calibration_job(render(changed, revision=3, is_upgrade=True))["metadata"]["name"] != job["metadata"]["name"], change
+
+
+def test_calibrating_a_cuda_worker_group_requests_one_gpus_share():
+    """The Job measures one GPU (one process of nthreads threads): with a cuda-worker group it
+    requested the whole 4-GPU pod's CPU and memory, a node's worth for one GPU."""
+    values = VALUE_SETS["cuda-worker"] | {"calibration": {"enabled": True}}
+    docs = render(values)
+    (container,) = calibration_job(docs)["spec"]["template"]["spec"]["containers"]
+    (worker,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+    assert worker["resources"]["requests"]["cpu"] == "16" and worker["resources"]["limits"]["memory"] == "64Gi"
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] == "4000m"
+    assert int(resources["requests"]["memory"]) == int(resources["limits"]["memory"]) == 16 * 2**30
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert resources["requests"]["ephemeral-storage"] == "2Gi"  # the Job's own scratch
+    odd = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | {
+        "resources": {"requests": {"cpu": "1500m", "memory": "10G"}}, "gpu": values["workerGroups"][1]["gpu"] | {"count": 3}}]}
+    (container,) = calibration_job(render(odd))["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "500m"
+    assert container["resources"]["requests"]["memory"] == str(10**10 // 3)
 
 
 def test_calibration_ttl_only_when_asked_for():

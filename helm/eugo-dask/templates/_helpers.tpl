@@ -104,6 +104,14 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
 {{- end }}
 {{- end }}
+{{- /* Dask pauses, spills and restarts a worker by its memoryLimit: above the container's
+       limit the kernel kills it first (OOMKilled, every result lost) */}}
+{{- $containerMemory := (($merged.resources | default dict).limits | default dict).memory }}
+{{- if and $containerMemory (ne (toString $merged.memoryLimit) "auto") }}
+{{- if gt (include "eugo-dask.daskBytes" (dict "size" $merged.memoryLimit "of" $containerMemory) | float64) (include "eugo-dask.bytes" $containerMemory | float64) }}
+{{- fail (printf "workerGroups[%d] (%s).memoryLimit: %s is above the container's memory limit %s (resources.limits.memory): the kernel would kill the worker (OOMKilled) before Dask spills, pauses or restarts it. Set it at or below the limit, or auto (Dask reads the container's limit)" $i $group.name (toString $merged.memoryLimit) (toString $containerMemory)) }}
+{{- end }}
+{{- end }}
 {{- if $merged.maxSpill }}
 {{- if ge (include "eugo-dask.bytes" $merged.maxSpill | float64) (include "eugo-dask.bytes" $merged.scratchSizeLimit | float64) }}
 {{- fail (printf "workerGroups[%d] (%s).maxSpill: %s must be below scratchSizeLimit %s (the /tmp emptyDir workers spill to; past it the kubelet evicts the pod)" $i $group.name $merged.maxSpill $merged.scratchSizeLimit) }}
@@ -127,6 +135,53 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
       "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
 {{- mulf (float64 $number) (get $units $unit) -}}
+{{- end -}}
+
+{{/* Dask's --memory-limit (a size as dask.utils.parse_bytes reads it, units in any case; or
+     a fraction of the memory "of", at most 1) in bytes, as a float64 string. (size, of) */}}
+{{- define "eugo-dask.daskBytes" -}}
+{{- $text := toString .size | replace " " "" }}
+{{- $number := regexFind "^[0-9.]+" $text }}
+{{- $unit := trimPrefix $number $text | lower | trimSuffix "b" }}
+{{- $units := dict "" 1.0 "k" 1e3 "m" 1e6 "g" 1e9 "t" 1e12 "p" 1e15
+      "ki" 1024.0 "mi" 1048576.0 "gi" 1073741824.0 "ti" 1099511627776.0 "pi" 1125899906842624.0 }}
+{{- if and (eq $unit "") (le (float64 $number) 1.0) }}
+{{- mulf (float64 $number) (include "eugo-dask.bytes" .of | float64) -}}
+{{- else }}
+{{- mulf (float64 $number) (get $units $unit) -}}
+{{- end }}
+{{- end -}}
+
+{{/* resources with cpu and memory (requests and limits) divided by count: one GPU's share of
+     a cuda-worker pod. Others are kept; ephemeral-storage is left to the pod's own scratch.
+     (resources, count) */}}
+{{- define "eugo-dask.gpuShare" -}}
+{{- $share := dict }}
+{{- range $kind, $amounts := (.resources | default dict) }}
+{{- $out := dict }}
+{{- range $name, $amount := $amounts }}
+{{- if eq $name "cpu" }}
+{{- $millis := include "eugo-dask.millicores" $amount | float64 }}
+{{- $_ := set $out $name (printf "%dm" (divf $millis $.count | ceil | int64)) }}
+{{- else if eq $name "memory" }}
+{{- $_ := set $out $name (toString (divf (include "eugo-dask.bytes" $amount | float64) $.count | floor | int64)) }}
+{{- else if ne $name "ephemeral-storage" }}
+{{- $_ := set $out $name $amount }}
+{{- end }}
+{{- end }}
+{{- $_ := set $share $kind $out }}
+{{- end }}
+{{- toJson $share }}
+{{- end -}}
+
+{{/* A CPU quantity ("4", "0.5", "1500m") in millicores, as a float64 string. */}}
+{{- define "eugo-dask.millicores" -}}
+{{- $text := toString . }}
+{{- if hasSuffix "m" $text }}
+{{- float64 (trimSuffix "m" $text) -}}
+{{- else }}
+{{- mulf (float64 $text) 1000.0 -}}
+{{- end }}
 {{- end -}}
 
 {{/* The first GPU group (its gpu.type prices plans; calibration measures it), "{}" if none. */}}
