@@ -1,8 +1,15 @@
-"""Keep a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job).
+"""Keep a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job), and
+retire a worker pod's Dask workers before the pod goes (its preStop hook).
 
     python -m eugo_dask.k8s calibrate CONFIGMAP [--key calibrated.yaml] [--inputs ID]
                                       [--quick] [--gpu-preset NAME] [--threads N]
     python -m eugo_dask.k8s store PROFILE.yaml CONFIGMAP [--key calibrated.yaml]
+    python -m eugo_dask.k8s retire SCHEDULER [--name POD] [--timeout SECONDS]
+
+``retire`` asks the scheduler to retire the workers named ``POD`` (default: ``$POD_NAME``) or
+``POD-<n>`` (``dask cuda worker`` names its GPU processes so): their results move to the other
+workers and they close, so a pod removed by a scale-down, a rollout or a drain loses none. TLS
+comes from Dask's config, as for the worker itself.
 
 ``calibrate`` measures this machine (``eugo_dask.calibrate``) and stores the profile under
 ``--key``, with ``--inputs`` (the chart passes its Job's name, a checksum of the Job's pod) under
@@ -147,11 +154,48 @@ def calibrate_into(configmap: str, namespace: str | None = None, *, key: str = D
     return f"stored profile {profile['name']!r} as {key} in ConfigMap {configmap} (HTTP {status})"
 
 
+def _pod_workers(workers: dict[str, Any], pod: str) -> list[str]:
+    """The names of the scheduler's ``workers`` (its identity's) that run in pod ``pod``: named
+    ``pod``, or ``pod-<n>`` as ``dask cuda worker`` names one process per GPU."""
+    names = sorted(str(w.get("name")) for w in workers.values())
+    return [n for n in names if n == pod or (n.startswith(f"{pod}-") and n[len(pod) + 1:].isdigit())]
+
+
+async def _retire(scheduler: str, pod: str) -> list[str]:
+    from distributed.core import rpc
+    from distributed.security import Security
+
+    connection_args = Security().get_connection_args("client")
+    async with rpc(scheduler, connection_args=connection_args) as remote:
+        names = _pod_workers((await remote.identity())["workers"], pod)
+        if names:
+            # (their nannies close with them: the container exits once its results have moved)
+            await remote.retire_workers(names=names, close_workers=True, remove=True,
+                                        stimulus_id=f"eugo-k8s-retire-{pod}")
+    return names
+
+
+def retire_pod(scheduler: str, pod: str, *, timeout: float = 300) -> str:
+    """Retire the Dask workers of pod ``pod`` through ``scheduler``, waiting at most ``timeout``
+    seconds. Returns what happened, for the log."""
+    import asyncio
+
+    names = asyncio.run(asyncio.wait_for(_retire(scheduler, pod), timeout))
+    if not names:
+        return f"no worker of pod {pod} is known to {scheduler}: nothing to retire"
+    return f"retired {', '.join(names)} through {scheduler}: their results moved to other workers"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eugo_dask.k8s", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("calibrate", help="measure this machine and store the profile")
     store = commands.add_parser("store", help="store a profile file")
+    retire = commands.add_parser("retire", help="retire this pod's Dask workers (preStop)")
+    retire.add_argument("scheduler", help="the scheduler's address (tcp:// or tls://)")
+    retire.add_argument("--name", default=os.environ.get("POD_NAME"),
+                        help="the pod's name (default: $POD_NAME)")
+    retire.add_argument("--timeout", type=float, default=300.0, help="seconds to wait at most")
     store.add_argument("profile", type=Path)
     for sub in (run, store):
         sub.add_argument("configmap")
@@ -162,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--gpu-preset", default="h200")
     run.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.command == "retire":
+        return _retire_command(parser, args)
     try:
         if args.command == "store":
             status = store_profile(args.profile, args.configmap, args.namespace, key=args.key,
@@ -172,6 +218,21 @@ def main(argv: list[str] | None = None) -> int:
                                  quick=args.quick, gpu_preset=args.gpu_preset, threads=args.threads))
     except ApiError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _retire_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``retire``: 0 once the pod's workers are retired (or none is known), 1 where the scheduler
+    could not be reached or did not finish in time (the pod goes anyway: Kubernetes sends
+    SIGTERM after the hook)."""
+    if not args.name:
+        parser.error("retire: give --name or set POD_NAME")
+    try:
+        print(retire_pod(args.scheduler, args.name, timeout=args.timeout))
+    except (OSError, TimeoutError) as e:
+        print(f"error: retiring the workers of pod {args.name} through {args.scheduler}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 
