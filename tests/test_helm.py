@@ -30,6 +30,9 @@ VALUE_SETS = {"default": {}} | {p.stem: yaml.safe_load(p.read_text()) for p in C
 NAMES = list(VALUE_SETS)
 KUBE_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
 MONITORING_CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+#: KEDA's ScaledObject CRD as KEDA's repository holds it (the commit in the file's header)
+KEDA_CRD = Path(__file__).parent / "fixtures" / "keda" / "keda.sh_scaledobjects.yaml"
+CRDS = MONITORING_CRDS | {("keda.sh/v1alpha1", "ScaledObject")}
 KUBECTL = str(Path(sys.executable).with_name("kubectl"))
 PRESETS = {"h200", "h100-sxm", "h100-pcie", "a100", "l4", "t4"}
 
@@ -101,7 +104,7 @@ def calibration_job(docs) -> dict:
 # --- lint, schema, validation, kustomize ------------------------------------------------------
 def test_ci_values_files_cover_the_options():
     assert set(NAMES) >= {"default", "gpu-off", "cuda-worker", "calibration", "ingress",
-                          "pdb-monitoring", "two-gpu-types", "everything", "tls"}
+                          "pdb-monitoring", "two-gpu-types", "everything", "tls", "autoscaling"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -116,10 +119,58 @@ def test_manifests_validate_strictly(name, version):
     docs = rendered(name)
     assert docs
     for doc in docs:
-        if (doc["apiVersion"], doc["kind"]) in MONITORING_CRDS:
-            continue  # CRDs: no schema in kubernetes-validate, allowed explicitly
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            continue  # CRDs: no schema in kubernetes-validate (ScaledObject: its own CRD's, below)
         # an unknown kind raises SchemaNotFoundError, which fails the test
         kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _crd_schema(crd: dict, version: str) -> dict:
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return served["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
+    """Fields of ``value`` its structural schema does not declare: the API server prunes them
+    silently (and kubectl --validate=strict refuses them), so a misspelt field would do nothing."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict) and "properties" in schema:
+        out = []
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                out.append(f"{path}.{key}")
+            else:
+                out += unknown_fields(item, schema["properties"][key], f"{path}.{key}")
+        return out
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        return [f for key, item in value.items() for f in unknown_fields(item, schema["additionalProperties"], f"{path}.{key}")]
+    if isinstance(value, list) and "items" in schema:
+        return [f for i, item in enumerate(value) for f in unknown_fields(item, schema["items"], f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scaled_objects_validate_against_kedas_crd(name):
+    """The ScaledObjects against the openAPIV3Schema of KEDA's own CRD (vendored from
+    kedacore/keda): types, required fields, enums, and no field the API server would prune."""
+    import jsonschema
+
+    crd = next(d for d in yaml.safe_load_all(KEDA_CRD.read_text()) if d)
+    schema = _crd_schema(crd, "v1alpha1")
+    scaled = [d for d in rendered(name) if d["kind"] == "ScaledObject"]
+    assert bool(scaled) == (name == "autoscaling")
+    for doc in scaled:
+        assert doc["apiVersion"] == f"{crd['spec']['group']}/v1alpha1"
+        jsonschema.validate(doc, schema)
+        assert unknown_fields(doc["spec"], schema["properties"]["spec"]) == []
+    # the check has teeth: a misspelt field, a wrong type, a missing target
+    spec = schema["properties"]["spec"]
+    assert unknown_fields({"minReplicas": 0}, spec) == [".minReplicas"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"scaleTargetRef": {"name": "x"}, "triggers": [{"type": "metrics-api", "metadata": {"targetValue": 32}}]}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"triggers": []}}, schema)
 
 
 def kustomize(tmp_path: Path, manifests: str) -> subprocess.CompletedProcess:
@@ -609,6 +660,79 @@ def test_one_flag_scales_one_group():
         render(helm_python.parse_set_string("workerGroups[1].replicas=1"))
     with pytest.raises(HelmRenderError, match=r'workerReplicas.gpus: no worker group is named "gpus" \(groups: cpu, gpu\)'):
         render(helm_python.parse_set_string("workerReplicas.gpus=1"))
+
+
+# --- GPU groups that follow the GPU work -------------------------------------------------------
+def test_autoscaled_gpu_groups_scale_on_the_schedulers_gpu_backlog():
+    docs = rendered("autoscaling")
+    scaled = by_kind(docs, "ScaledObject")
+    deployments = by_kind(docs, "Deployment")
+    assert set(scaled) == {"demo-eugo-dask-gpu-worker", "demo-eugo-dask-l4-worker"}
+    gpu = scaled["demo-eugo-dask-gpu-worker"]["spec"]
+    assert gpu["scaleTargetRef"] == {"name": "demo-eugo-dask-gpu-worker"}
+    assert (gpu["minReplicaCount"], gpu["maxReplicaCount"]) == (0, 8)
+    (trigger,) = gpu["triggers"]
+    assert trigger["type"] == "metrics-api"
+    assert trigger["metadata"] == {"url": "http://demo-eugo-dask-scheduler.dask.svc:8787/metrics", "format": "prometheus",
+                                   "valueLocation": "eugo_gpu_backlog", "targetValue": "16", "activationTargetValue": "0"}
+    assert scaled["demo-eugo-dask-l4-worker"]["spec"]["triggers"][0]["metadata"]["targetValue"] == "32"
+    # scale-down one pod a minute, each retiring its workers first
+    assert gpu["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 60}]
+    # KEDA owns their replicas: a rendered count would reset it at every upgrade
+    assert "replicas" not in deployments["demo-eugo-dask-gpu-worker"]["spec"]
+    assert "replicas" not in deployments["demo-eugo-dask-l4-worker"]["spec"]
+    assert deployments["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 2
+    # a group may be at zero: the scheduler plans GPU work for workers yet to start
+    scheduler = env(pod_specs(docs)["demo-eugo-dask-scheduler"]["containers"][0])
+    assert scheduler["DASK_EUGO__GPU_WORKERS_ON_DEMAND"] == "True"
+    assert "DASK_EUGO__GPU_WORKERS_ON_DEMAND" not in env(pod_specs(rendered("default"))["demo-eugo-dask-scheduler"]["containers"][0])
+    one = {"workerGroups": [{"name": "cpu"}, {"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}]}
+    assert "DASK_EUGO__GPU_WORKERS_ON_DEMAND" not in env(pod_specs(render(one))["demo-eugo-dask-scheduler"]["containers"][0])
+    # the helm test counts the workers there are at least
+    (test_pod,) = by_kind(docs, "Pod").values()
+    assert env(test_pod["spec"]["containers"][0])["EUGO_TEST_WORKERS"] == "3"
+    # with the dashboards narrowed, KEDA may still read the scheduler's /metrics
+    policy = by_kind(docs, "NetworkPolicy")["demo-eugo-dask-scheduler"]["spec"]["ingress"][1]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in policy["from"]
+    assert len(policy["from"]) == 3  # the release, monitoring, KEDA (once for two groups)
+
+
+@pytest.mark.parametrize("values, error, match", [
+    ({"workerGroups": [{"name": "cpu", "autoscaling": {"maxReplicas": 3}}]}, HelmRenderError,
+     r"workerGroups\[0\] \(cpu\).autoscaling: only GPU groups scale, on the scheduler's GPU backlog"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}]},
+     HelmRenderError, r"workerGroups\[0\] \(gpu\).autoscaling: minReplicas 3 is above maxReplicas 2"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"maxReplicas": 2}}], "workerReplicas": {"gpu": 1}},
+     HelmRenderError, r"workerReplicas.gpu: the group autoscales"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 0}}]},
+     HelmValuesError, r"workerGroups/0/autoscaling.*maxReplicas"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"maxReplicas": 2, "max": 3}}]},
+     HelmValuesError, r"workerGroups/0/autoscaling.*max"),
+])
+def test_autoscaling_values_that_cannot_work_are_refused(values, error, match):
+    with pytest.raises(error, match=match):
+        render(values)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_worker_pod_retires_its_workers_before_it_goes(name):
+    """A pod removed by a scale-down, a rollout or a drain lost its results: the preStop hook
+    now retires its workers through the scheduler (results move), within a grace period that
+    leaves it the time."""
+    docs = rendered(name)
+    scheduler = "tls" if VALUE_SETS[name].get("tls", {}).get("enabled") else "tcp"
+    for pod_name, pod in pod_specs(docs).items():
+        if not pod_name.endswith("-worker"):
+            continue
+        (container,) = pod["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:5] == ["python", "-m", "eugo_dask.k8s", "retire", f"{scheduler}://demo-eugo-dask-scheduler:8786"]
+        timeout = int(args_after(command, "--timeout"))
+        assert pod["terminationGracePeriodSeconds"] == timeout + 30, pod_name
+        assert env(container)["POD_NAME"] is None  # (from the downward API: the hook's --name)
+    if name == "autoscaling":
+        assert pod_specs(docs)["demo-eugo-dask-gpu-worker"]["terminationGracePeriodSeconds"] == 630
 
 
 # --- calibration ------------------------------------------------------------------------------

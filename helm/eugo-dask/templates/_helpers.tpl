@@ -81,7 +81,22 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- $names = append $names $group.name }}
 {{- if hasKey $.Values.workerReplicas $group.name }}
+{{- if $merged.autoscaling }}
+{{- fail (printf "workerReplicas.%s: the group autoscales (KEDA sets its replicas from autoscaling.minReplicas to maxReplicas); change those instead" $group.name) }}
+{{- end }}
 {{- $_ := set $merged "replicas" (get $.Values.workerReplicas $group.name) }}
+{{- end }}
+{{- with $merged.autoscaling }}
+{{- if not $merged.gpu }}
+{{- fail (printf "workerGroups[%d] (%s).autoscaling: only GPU groups scale, on the scheduler's GPU backlog (eugo_gpu_backlog); this group has no gpu" $i $group.name) }}
+{{- end }}
+{{- $_ := set . "minReplicas" (ternary .minReplicas 0 (hasKey . "minReplicas")) }}
+{{- $_ := set . "backlogPerReplica" (.backlogPerReplica | default 32) }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "workerGroups[%d] (%s).autoscaling: minReplicas %v is above maxReplicas %v" $i $group.name .minReplicas .maxReplicas) }}
+{{- end }}
+{{- /* what the helm test pod and NOTES count on */}}
+{{- $_ := set $merged "replicas" .minReplicas }}
 {{- end }}
 {{- with $merged.gpu }}
 {{- $_ := set . "count" (.count | default 1) }}
@@ -181,6 +196,14 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- float64 (trimSuffix "m" $text) -}}
 {{- else }}
 {{- mulf (float64 $text) 1000.0 -}}
+{{- end }}
+{{- end -}}
+
+{{/* Whether a GPU group scales from zero: the scheduler then plans GPU work while no GPU
+     worker has joined (eugo.gpu-workers-on-demand), and the work waits for one. "true" or "". */}}
+{{- define "eugo-dask.gpuOnDemand" -}}
+{{- range (include "eugo-dask.workerGroups" . | fromJsonArray) }}
+{{- if and .autoscaling (eq (int .autoscaling.minReplicas) 0) }}true{{ end }}
 {{- end }}
 {{- end -}}
 
