@@ -982,6 +982,43 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
         assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
 
 
+def _random(n: int):
+    import numpy as np
+
+    return np.random.default_rng().random(n)  # computed again, other numbers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rendered_pre_stop_hook_retires_the_pod_before_it_goes(tmp_path):
+    """The scale-down path: the GPU worker pod's rendered preStop command, run against the
+    rendered scheduler, moves the pod's results to the CPU worker before its worker closes."""
+    import numpy as np
+    from distributed import Client, wait
+
+    values = LOCAL | {"workerGroups": [LOCAL["workerGroups"][0], LOCAL["workerGroups"][1] | {
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}]}
+    with launched(values, tmp_path, {}) as (address, helm_test):
+        (c,) = pod_specs(render(values))["demo-eugo-dask-gpu-worker"]["containers"]
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            held = client.submit(_random, 10_000, workers=["gpu-worker-0"], pure=False)
+            wait(held, timeout=30)
+            before = held.result(timeout=30)
+            assert list(client.who_has([held]).values()) == [(next(
+                a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "gpu-worker-0"),)]
+            local_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+            local_env |= {"PYTHONPATH": str(CHART.parents[1]), "POD_NAME": "gpu-worker-0"}
+            hook = [sys.executable if a == "python" else a.replace("tcp://demo-eugo-dask-scheduler:8786", address)
+                    for a in command]
+            result = subprocess.run(hook, env=local_env, capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "retired gpu-worker-0" in result.stdout
+            assert {w["name"] for w in client.scheduler_info()["workers"].values()} == {"cpu-worker-0"}
+            assert np.array_equal(held.result(timeout=30), before)  # moved, not computed again
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl to make a certificate")
