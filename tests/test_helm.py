@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -552,6 +553,72 @@ def test_cuda_worker_mode():
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert pod["containers"][0]["image"].endswith(":0.1.0-cuda")
     assert pod["runtimeClassName"] == "nvidia"
+
+
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with contextlib.closing(socket.socket()) as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two free ports in a row")
+
+
+async def _cuda_worker_dashboards(pod: str, dashboard_address: str, processes: int) -> dict[str, int]:
+    """What dask cuda worker builds (dask_cuda/cuda_worker.py: one Nanny per GPU, each with the
+    same dashboard_address and the name <name>-<n>), without GPUs: worker name -> its
+    dashboard port, as the scheduler sees it, each answering /health there."""
+    from distributed import Nanny, Scheduler
+
+    async with Scheduler(dashboard_address=":0", host="127.0.0.1") as scheduler:
+        nannies = [Nanny(scheduler.address, nthreads=1, name=f"{pod}-{n}", dashboard_address=dashboard_address,
+                         host="127.0.0.1", memory_limit="1GiB") for n in range(processes)]
+        import asyncio
+
+        await asyncio.gather(*nannies)
+        try:
+            ports = {str(ws.name): ws.services["dashboard"] for ws in scheduler.workers.values()}
+            for port in ports.values():
+                health = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/health", timeout=10)
+                assert health.read() == b"ok"
+            return ports
+        finally:
+            await asyncio.gather(*(n.close() for n in nannies))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_each_gpu_process_of_a_cuda_worker_pod_serves_its_own_declared_port(monkeypatch):
+    """dask cuda worker handed every GPU process the same --dashboard-address: one took 8788 and
+    the others random ports, so the pod's probes and metrics reached one GPU's worker only. With
+    the rendered nanny preload, GPU process n serves on 8788 + n, the port the pod declares."""
+    import asyncio
+
+    import dask
+    import distributed  # noqa: F401  (its config defaults in place before dask.config.set)
+
+    values = {"workerGroups": [{"name": "cpu"}, {"name": "gpu", "memoryLimit": "auto",
+                                                  "gpu": {"type": "h200", "count": 2, "mode": "cuda-worker"}}]}
+    (c,) = pod_specs(render(values))["demo-eugo-dask-gpu-worker"]["containers"]
+    declared = {p["containerPort"]: p["name"] for p in c["ports"]}
+    assert declared == {8788: "http-dashboard", 8789: "http-gpu-1"}
+    base = _free_port_pair()
+    monkeypatch.setenv("POD_NAME", "gpu-pod")
+    # the rendered environment, as Dask reads it
+    preload = dask.config.collect_env({k: v for k, v in env(c).items() if k.startswith("DASK_DISTRIBUTED__NANNY")})
+    with dask.config.set({"distributed.nanny.preload": preload["distributed"]["nanny"]["preload"]}):
+        ports = asyncio.run(_cuda_worker_dashboards("gpu-pod", f":{base}", 2))
+    assert ports == {"gpu-pod-0": base, "gpu-pod-1": base + 1}
+    # without it (as before): the second process is elsewhere
+    with dask.config.set({"distributed.nanny.preload": []}):
+        ports = asyncio.run(_cuda_worker_dashboards("gpu-pod", f":{base}", 2))
+    assert sorted(ports.values())[0] == base and base + 1 not in ports.values()
 
 
 def test_cuda_worker_groups_get_the_cuda_image_or_are_refused():

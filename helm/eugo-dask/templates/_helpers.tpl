@@ -373,6 +373,28 @@ livenessProbe:
 {{- end }}
 {{- end -}}
 
+{{/* A worker pod's dashboard ports (each with /metrics): 8788, and with cuda-worker one per GPU
+     process, 8788 + n named http-gpu-<n>. (a merged group) */}}
+{{- define "eugo-dask.workerDashboardPorts" -}}
+- {name: http-dashboard, containerPort: 8788}
+{{- if eq ((.gpu | default dict).mode | default "") "cuda-worker" }}
+{{- range $n := untilStep 1 (int .gpu.count) 1 }}
+- {name: {{ printf "http-gpu-%d" $n }}, containerPort: {{ add 8788 $n }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The names of every worker group's dashboard ports. */}}
+{{- define "eugo-dask.workerDashboardPortNames" -}}
+{{- $names := list }}
+{{- range (include "eugo-dask.workerGroups" . | fromJsonArray) }}
+{{- range (include "eugo-dask.workerDashboardPorts" . | fromYamlArray) }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- end }}
+{{- toJson ($names | uniq) }}
+{{- end -}}
+
 {{/* Every worker group's pods. */}}
 {{- define "eugo-dask.workerPodSelector" -}}
 matchExpressions:
