@@ -763,6 +763,9 @@ def test_autoscaled_gpu_groups_scale_on_the_schedulers_gpu_backlog():
     policy = by_kind(docs, "NetworkPolicy")["demo-eugo-dask-scheduler"]["spec"]["ingress"][1]
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in policy["from"]
     assert len(policy["from"]) == 3  # the release, monitoring, KEDA (once for two groups)
+    notes = render_text(VALUE_SETS["autoscaling"])["eugo-dask/templates/NOTES.txt"]
+    assert "gpu: 0-8 (KEDA, on eugo_gpu_backlog) × 1 GPU" in notes
+    assert "Watch gpu, l4 scale:  kubectl get scaledobject,hpa -n dask -w" in notes
 
 
 @pytest.mark.parametrize("values, error, match", [
