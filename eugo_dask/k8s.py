@@ -161,29 +161,38 @@ def _pod_workers(workers: dict[str, Any], pod: str) -> list[str]:
     return [n for n in names if n == pod or (n.startswith(f"{pod}-") and n[len(pod) + 1:].isdigit())]
 
 
-async def _retire(scheduler: str, pod: str) -> list[str]:
+async def _retire(scheduler: str, pod: str) -> tuple[list[str], list[str]]:
+    """(the pod's workers, those the scheduler retired)."""
     from distributed.core import rpc
     from distributed.security import Security
 
     connection_args = Security().get_connection_args("client")
     async with rpc(scheduler, connection_args=connection_args) as remote:
         names = _pod_workers((await remote.identity())["workers"], pod)
-        if names:
-            # (their nannies close with them: the container exits once its results have moved)
-            await remote.retire_workers(names=names, close_workers=True, remove=True,
-                                        stimulus_id=f"eugo-k8s-retire-{pod}")
-    return names
+        if not names:
+            return [], []
+        # (their nannies close with them: the container exits once its results have moved)
+        retired = await remote.retire_workers(names=names, close_workers=True, remove=True,
+                                              stimulus_id=f"eugo-k8s-retire-{pod}")
+    return names, sorted(str(info.get("name")) for info in retired.values())
 
 
-def retire_pod(scheduler: str, pod: str, *, timeout: float = 300) -> str:
+def retire_pod(scheduler: str, pod: str, *, timeout: float = 300) -> tuple[bool, str]:
     """Retire the Dask workers of pod ``pod`` through ``scheduler``, waiting at most ``timeout``
-    seconds. Returns what happened, for the log."""
+    seconds. Returns whether none is left holding results the others lack, and what happened,
+    for the log."""
     import asyncio
 
-    names = asyncio.run(asyncio.wait_for(_retire(scheduler, pod), timeout))
+    names, retired = asyncio.run(asyncio.wait_for(_retire(scheduler, pod), timeout))
     if not names:
-        return f"no worker of pod {pod} is known to {scheduler}: nothing to retire"
-    return f"retired {', '.join(names)} through {scheduler}: their results moved to other workers"
+        return True, f"no worker of pod {pod} is known to {scheduler}: nothing to retire"
+    kept = [n for n in names if n not in retired]
+    if kept:
+        # the scheduler keeps a worker whose only copies of results no other worker can take
+        return False, (f"{scheduler} could not retire {', '.join(kept)}: no other worker could "
+                       f"take results only they hold (those are lost with the pod)"
+                       + (f"; retired {', '.join(retired)}" if retired else ""))
+    return True, f"retired {', '.join(names)} through {scheduler}: their results moved to other workers"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,17 +233,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _retire_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``retire``: 0 once the pod's workers are retired (or none is known), 1 where the scheduler
-    could not be reached or did not finish in time (the pod goes anyway: Kubernetes sends
-    SIGTERM after the hook)."""
+    could not be reached, did not finish in time, or could not move results only they hold (the
+    pod goes anyway: Kubernetes sends SIGTERM after the hook; the message is in its events)."""
     if not args.name:
         parser.error("retire: give --name or set POD_NAME")
     try:
-        print(retire_pod(args.scheduler, args.name, timeout=args.timeout))
+        done, message = retire_pod(args.scheduler, args.name, timeout=args.timeout)
     except (OSError, TimeoutError) as e:
         print(f"error: retiring the workers of pod {args.name} through {args.scheduler}: "
               f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    return 0
+    print(message if done else f"error: {message}", file=sys.stdout if done else sys.stderr)
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

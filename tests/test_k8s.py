@@ -155,6 +155,25 @@ def test_retire_moves_a_pods_results_then_closes_its_workers():
             assert again.returncode == 0 and "no worker of pod pod-c is known" in again.stdout
 
 
+@pytest.mark.timeout(120)
+def test_retire_says_when_no_other_worker_can_take_the_results(capsys):
+    """The last worker cannot move what only it holds: the scheduler keeps it, and retire says
+    so (it said "retired" whatever the scheduler did)."""
+    from distributed import Client, LocalCluster, Worker, wait
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=":0") as cluster:
+        cluster.worker_spec["pod-a"] = {"cls": Worker, "options": {"nthreads": 1, "name": "pod-a"}}
+        cluster.scale(1)
+        with Client(cluster) as client:
+            client.wait_for_workers(1, timeout=60)
+            held = client.submit(_random, 100, pure=False)
+            wait(held, timeout=30)
+            code = main(["retire", cluster.scheduler_address, "--name", "pod-a", "--timeout", "60"])
+            err = capsys.readouterr().err
+            assert code == 1 and f"error: {cluster.scheduler_address} could not retire pod-a: no other worker" in err
+            assert [ws.name for ws in cluster.scheduler.workers.values()] == ["pod-a"]
+
+
 def test_retire_says_when_the_scheduler_cannot_be_reached(capsys):
     from eugo_dask.testing import free_port
 
