@@ -16,6 +16,7 @@ import:
   :func:`worker_setting_problems` checks them where a worker starts;
 - :func:`resolve_profile`: ``auto`` -> the preset for the local CUDA device's exact model;
 - :func:`cluster_profile`: a scheduler's own profile for clients that ask for ``auto``;
+- :func:`gpu_workers_on_demand`: whether a scheduler's GPU workers start when GPU work waits;
 - :func:`load_profile`: a profile loaded, the local CPU measured where it has no ``cpu`` section.
 """
 
@@ -364,6 +365,16 @@ def read_settings() -> Settings:
         learn=learn,
         history=history,
     )
+
+
+def gpu_workers_on_demand() -> bool:
+    """This process's ``eugo.gpu-workers-on-demand``: on a scheduler, that GPU workers start when
+    GPU work waits for them (an autoscaled GPU group that may be at zero), so a graph is planned
+    for them, and its GPU tasks wait, even while no worker advertises the resource."""
+    value = _setting("eugo.gpu-workers-on-demand")
+    if not isinstance(value, bool):
+        raise ValueError(f"eugo.gpu-workers-on-demand: expected true or false, got {value!r}")
+    return value
 
 
 def cluster_profile() -> Any:

@@ -1,8 +1,15 @@
-"""Keep a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job).
+"""Keep a calibrated profile in a Kubernetes ConfigMap (the Helm chart's calibration Job), and
+retire a worker pod's Dask workers before the pod goes (its preStop hook).
 
     python -m eugo_dask.k8s calibrate CONFIGMAP [--key calibrated.yaml] [--inputs ID]
                                       [--quick] [--gpu-preset NAME] [--threads N]
     python -m eugo_dask.k8s store PROFILE.yaml CONFIGMAP [--key calibrated.yaml]
+    python -m eugo_dask.k8s retire SCHEDULER [--name POD] [--timeout SECONDS]
+
+``retire`` asks the scheduler to retire the workers named ``POD`` (default: ``$POD_NAME``) or
+``POD-<n>`` (``dask cuda worker`` names its GPU processes so): their results move to the other
+workers and they close, so a pod removed by a scale-down, a rollout or a drain loses none. TLS
+comes from Dask's config, as for the worker itself.
 
 ``calibrate`` measures this machine (``eugo_dask.calibrate``) and stores the profile under
 ``--key``, with ``--inputs`` (the chart passes its Job's name, a checksum of the Job's pod) under
@@ -147,11 +154,57 @@ def calibrate_into(configmap: str, namespace: str | None = None, *, key: str = D
     return f"stored profile {profile['name']!r} as {key} in ConfigMap {configmap} (HTTP {status})"
 
 
+def _pod_workers(workers: dict[str, Any], pod: str) -> list[str]:
+    """The names of the scheduler's ``workers`` (its identity's) that run in pod ``pod``: named
+    ``pod``, or ``pod-<n>`` as ``dask cuda worker`` names one process per GPU."""
+    names = sorted(str(w.get("name")) for w in workers.values())
+    return [n for n in names if n == pod or (n.startswith(f"{pod}-") and n[len(pod) + 1:].isdigit())]
+
+
+async def _retire(scheduler: str, pod: str) -> tuple[list[str], list[str]]:
+    """(the pod's workers, those the scheduler retired)."""
+    from distributed.core import rpc
+    from distributed.security import Security
+
+    connection_args = Security().get_connection_args("client")
+    async with rpc(scheduler, connection_args=connection_args) as remote:
+        names = _pod_workers((await remote.identity())["workers"], pod)
+        if not names:
+            return [], []
+        # (their nannies close with them: the container exits once its results have moved)
+        retired = await remote.retire_workers(names=names, close_workers=True, remove=True,
+                                              stimulus_id=f"eugo-k8s-retire-{pod}")
+    return names, sorted(str(info.get("name")) for info in retired.values())
+
+
+def retire_pod(scheduler: str, pod: str, *, timeout: float = 300) -> tuple[bool, str]:
+    """Retire the Dask workers of pod ``pod`` through ``scheduler``, waiting at most ``timeout``
+    seconds. Returns whether none is left holding results the others lack, and what happened,
+    for the log."""
+    import asyncio
+
+    names, retired = asyncio.run(asyncio.wait_for(_retire(scheduler, pod), timeout))
+    if not names:
+        return True, f"no worker of pod {pod} is known to {scheduler}: nothing to retire"
+    kept = [n for n in names if n not in retired]
+    if kept:
+        # the scheduler keeps a worker whose only copies of results no other worker can take
+        return False, (f"{scheduler} could not retire {', '.join(kept)}: no other worker could "
+                       f"take results only they hold (those are lost with the pod)"
+                       + (f"; retired {', '.join(retired)}" if retired else ""))
+    return True, f"retired {', '.join(names)} through {scheduler}: their results moved to other workers"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m eugo_dask.k8s", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("calibrate", help="measure this machine and store the profile")
     store = commands.add_parser("store", help="store a profile file")
+    retire = commands.add_parser("retire", help="retire this pod's Dask workers (preStop)")
+    retire.add_argument("scheduler", help="the scheduler's address (tcp:// or tls://)")
+    retire.add_argument("--name", default=os.environ.get("POD_NAME"),
+                        help="the pod's name (default: $POD_NAME)")
+    retire.add_argument("--timeout", type=float, default=300.0, help="seconds to wait at most")
     store.add_argument("profile", type=Path)
     for sub in (run, store):
         sub.add_argument("configmap")
@@ -162,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--gpu-preset", default="h200")
     run.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.command == "retire":
+        return _retire_command(parser, args)
     try:
         if args.command == "store":
             status = store_profile(args.profile, args.configmap, args.namespace, key=args.key,
@@ -174,6 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _retire_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``retire``: 0 once the pod's workers are retired (or none is known), 1 where the scheduler
+    could not be reached, did not finish in time, or could not move results only they hold (the
+    pod goes anyway: Kubernetes sends SIGTERM after the hook; the message is in its events)."""
+    if not args.name:
+        parser.error("retire: give --name or set POD_NAME")
+    try:
+        done, message = retire_pod(args.scheduler, args.name, timeout=args.timeout)
+    except (OSError, TimeoutError) as e:
+        print(f"error: retiring the workers of pod {args.name} through {args.scheduler}: "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(message if done else f"error: {message}", file=sys.stdout if done else sys.stderr)
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

@@ -91,11 +91,15 @@ class EugoCollector:
         dropped.add_metric([], summary["dropped_reports"])
         errors = counter("eugo_plugin_errors", "Errors caught in the eugo scheduler plugin.")
         errors.add_metric([], summary["errors"])
+        backlog = gauge("eugo_gpu_backlog", "GPU work waiting and running: eugo's device tasks "
+                        "and copies not finished (waiting for inputs or a worker, queued, "
+                        "processing); what GPU worker groups scale on.")
+        backlog.add_metric([], plugin.gpu_backlog())
         pass_errors = counter("eugo_pass_errors", "Failures of the eugo pass in this process "
                               "(each graph ran unchanged).")
         pass_errors.add_metric([], pass_stats()["pass_errors"])
         yield from (tasks, transfer, fallbacks, predicted, actual, saved, without, invalid,
-                    dropped, errors, pass_errors)
+                    dropped, errors, backlog, pass_errors)
 
 
 _collector: EugoCollector | None = None

@@ -30,6 +30,7 @@ from eugo_dask.array_optimize import current_submission, may_be_ours
 from eugo_dask.config import (
     Settings,
     cluster_profile,
+    gpu_workers_on_demand,
     history_path,
     keyword_settings,
     load_profile,
@@ -76,6 +77,9 @@ def _current_settings() -> Settings:
         return frozen.resolved()
     workers = worker_resources(scheduler)
     if not any(resources.get(frozen.resource) for resources in workers):
+        if frozen.device != "none" and gpu_workers_on_demand():
+            # GPU workers start when GPU work waits (an autoscaled group at zero): plan for them
+            return frozen.resolved(gpu_workers=True)
         if frozen.device != "none":
             # a resource request nothing can satisfy would wait forever in no-worker
             advertised = sorted({r for resources in workers for r in resources})

@@ -53,7 +53,7 @@ from dask.typing import Key
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from eugo_dask.config import check_keys, read_resource
+from eugo_dask.config import check_keys, gpu_workers_on_demand, read_resource
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
@@ -95,6 +95,8 @@ MAX_USAGE = 20
 #: When a worker has left, once the scheduler has moved what it must run again (released ->
 #: waiting): a task still released is done with (its result held nowhere, not wanted again).
 _WAITING = frozenset({"waiting", "no-worker", "queued"})
+#: States of GPU work not finished: waiting (for inputs or a worker) or running.
+_BACKLOG = _WAITING | {"processing"}
 #: Bounds on what the plugin keeps, whatever clients and workers send.
 MAX_PREFIXES = 2_000
 MAX_REASONS = 100
@@ -305,8 +307,34 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 (not (workers or hosts) or ws.address in (workers or ()) or ws.host in named)
                 and ws.resources.get(self.resource, 0) > 0  # a GPU worker (a copy asks for 0)
                 and all(ws.resources.get(r, 0) >= n for r, n in wanted.items())
-                for ws in scheduler.workers.values())
+                for ws in scheduler.workers.values()) or self._awaits_gpu_workers(
+                scheduler, ts, wanted)
         return fit
+
+    def _awaits_gpu_workers(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any]
+                            ) -> bool:
+        """Whether device task ``ts`` waits for a GPU worker to start: no worker advertises the
+        resource, GPU workers start on demand (``eugo.gpu-workers-on-demand``: an autoscaled GPU
+        group at zero, which the waiting task's backlog scales up), and the user asked for
+        nothing (workers, hosts, resources) a new GPU worker might not meet."""
+        return (set(wanted) == {self.resource} and not ts.worker_restrictions
+                and not ts.host_restrictions and not self._gpu_workers(scheduler)
+                and gpu_workers_on_demand())
+
+    def gpu_backlog(self) -> int:
+        """GPU work waiting and running: eugo's device tasks and copies that ask for the GPU
+        resource and have not finished (waiting for inputs, queued, waiting for a worker, or
+        processing); the metric GPU groups scale on."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return 0
+        count = 0
+        for key in self.gpu_keys:
+            ts = scheduler.tasks.get(key)
+            if (ts is not None and ts.state in _BACKLOG and ts.resource_restrictions
+                    and self.resource in ts.resource_restrictions):
+                count += 1
+        return count
 
     def _run_on_cpu(self, ts: TaskState) -> None:
         """Re-route a GPU task: no request for the GPU resource (the user's restrictions stay

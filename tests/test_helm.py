@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -30,6 +31,9 @@ VALUE_SETS = {"default": {}} | {p.stem: yaml.safe_load(p.read_text()) for p in C
 NAMES = list(VALUE_SETS)
 KUBE_VERSIONS = ["1.25.0", kubernetes_validate.latest_version()]
 MONITORING_CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PodMonitor")}
+#: KEDA's ScaledObject CRD as KEDA's repository holds it (the commit in the file's header)
+KEDA_CRD = Path(__file__).parent / "fixtures" / "keda" / "keda.sh_scaledobjects.yaml"
+CRDS = MONITORING_CRDS | {("keda.sh/v1alpha1", "ScaledObject")}
 KUBECTL = str(Path(sys.executable).with_name("kubectl"))
 PRESETS = {"h200", "h100-sxm", "h100-pcie", "a100", "l4", "t4"}
 
@@ -101,7 +105,7 @@ def calibration_job(docs) -> dict:
 # --- lint, schema, validation, kustomize ------------------------------------------------------
 def test_ci_values_files_cover_the_options():
     assert set(NAMES) >= {"default", "gpu-off", "cuda-worker", "calibration", "ingress",
-                          "pdb-monitoring", "two-gpu-types", "everything", "tls"}
+                          "pdb-monitoring", "two-gpu-types", "everything", "tls", "autoscaling"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -116,10 +120,58 @@ def test_manifests_validate_strictly(name, version):
     docs = rendered(name)
     assert docs
     for doc in docs:
-        if (doc["apiVersion"], doc["kind"]) in MONITORING_CRDS:
-            continue  # CRDs: no schema in kubernetes-validate, allowed explicitly
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            continue  # CRDs: no schema in kubernetes-validate (ScaledObject: its own CRD's, below)
         # an unknown kind raises SchemaNotFoundError, which fails the test
         kubernetes_validate.validate(doc, version, strict=True)
+
+
+def _crd_schema(crd: dict, version: str) -> dict:
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return served["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(value, schema: dict, path: str = "") -> list[str]:
+    """Fields of ``value`` its structural schema does not declare: the API server prunes them
+    silently (and kubectl --validate=strict refuses them), so a misspelt field would do nothing."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    if isinstance(value, dict) and "properties" in schema:
+        out = []
+        for key, item in value.items():
+            if key not in schema["properties"]:
+                out.append(f"{path}.{key}")
+            else:
+                out += unknown_fields(item, schema["properties"][key], f"{path}.{key}")
+        return out
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        return [f for key, item in value.items() for f in unknown_fields(item, schema["additionalProperties"], f"{path}.{key}")]
+    if isinstance(value, list) and "items" in schema:
+        return [f for i, item in enumerate(value) for f in unknown_fields(item, schema["items"], f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_scaled_objects_validate_against_kedas_crd(name):
+    """The ScaledObjects against the openAPIV3Schema of KEDA's own CRD (vendored from
+    kedacore/keda): types, required fields, enums, and no field the API server would prune."""
+    import jsonschema
+
+    crd = next(d for d in yaml.safe_load_all(KEDA_CRD.read_text()) if d)
+    schema = _crd_schema(crd, "v1alpha1")
+    scaled = [d for d in rendered(name) if d["kind"] == "ScaledObject"]
+    assert bool(scaled) == (name == "autoscaling")
+    for doc in scaled:
+        assert doc["apiVersion"] == f"{crd['spec']['group']}/v1alpha1"
+        jsonschema.validate(doc, schema)
+        assert unknown_fields(doc["spec"], schema["properties"]["spec"]) == []
+    # the check has teeth: a misspelt field, a wrong type, a missing target
+    spec = schema["properties"]["spec"]
+    assert unknown_fields({"minReplicas": 0}, spec) == [".minReplicas"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"scaleTargetRef": {"name": "x"}, "triggers": [{"type": "metrics-api", "metadata": {"targetValue": 32}}]}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"triggers": []}}, schema)
 
 
 def kustomize(tmp_path: Path, manifests: str) -> subprocess.CompletedProcess:
@@ -206,6 +258,23 @@ def test_bad_values_rejected_with_a_clear_message(values, match):
 def test_values_the_schema_cannot_judge_fail_the_render(values, match):
     with pytest.raises(HelmRenderError, match=match):
         render(values)
+
+
+@pytest.mark.parametrize("memory_limit, container", [("17GiB", "16Gi"), ("17.2GB", "16Gi"), ("18 G", "16Gi"), ("2Gi", "1Gi")])
+def test_a_memory_limit_above_the_containers_is_refused(memory_limit, container):
+    """Dask spills, pauses and restarts a worker by its memoryLimit: above the container's limit
+    the kernel kills it first (OOMKilled), and nothing tied the two."""
+    group = {"name": "cpu", "memoryLimit": memory_limit, "resources": {"limits": {"memory": container}}}
+    with pytest.raises(HelmRenderError, match=rf"workerGroups\[0\] \(cpu\).memoryLimit: {memory_limit} is above the "
+                                              rf"container's memory limit {container} \(resources.limits.memory\)"):
+        render({"workerGroups": [group]})
+
+
+@pytest.mark.parametrize("memory_limit, container", [("16GiB", "16Gi"), ("16 GB", "16Gi"), ("0.9", "16Gi"), ("auto", "1Gi"), ("1Gi", "1Gi")])
+def test_a_memory_limit_at_or_below_the_containers_renders(memory_limit, container):
+    group = {"name": "cpu", "memoryLimit": memory_limit, "resources": {"limits": {"memory": container}}}
+    (worker,) = pod_specs(render({"workerGroups": [group]}))["demo-eugo-dask-cpu-worker"]["containers"]
+    assert args_after(worker["args"], "--memory-limit") == memory_limit
 
 
 LONG_RELEASE = "r" * 53  # the longest release name Helm allows
@@ -486,6 +555,74 @@ def test_cuda_worker_mode():
     assert pod["runtimeClassName"] == "nvidia"
 
 
+def _free_port_pair() -> int:
+    """A port P with P + 1 free too."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with contextlib.closing(socket.socket()) as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two free ports in a row")
+
+
+async def _cuda_worker_dashboards(pod: str, dashboard_address: str, processes: int) -> dict[str, int]:
+    """What dask cuda worker builds (dask_cuda/cuda_worker.py: one Nanny per GPU, each with the
+    same dashboard_address and the name <name>-<n>), without GPUs: worker name -> its
+    dashboard port, as the scheduler sees it, each answering /health there."""
+    from distributed import Nanny, Scheduler
+
+    async with Scheduler(dashboard_address=":0", host="127.0.0.1") as scheduler:
+        nannies = [Nanny(scheduler.address, nthreads=1, name=f"{pod}-{n}", dashboard_address=dashboard_address,
+                         host="127.0.0.1", memory_limit="1GiB") for n in range(processes)]
+        import asyncio
+
+        await asyncio.gather(*nannies)
+        try:
+            ports = {str(ws.name): ws.services["dashboard"] for ws in scheduler.workers.values()}
+            for port in ports.values():
+                health = await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/health", timeout=10)
+                assert health.read() == b"ok"
+            return ports
+        finally:
+            await asyncio.gather(*(n.close() for n in nannies))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_each_gpu_process_of_a_cuda_worker_pod_serves_its_own_declared_port(monkeypatch):
+    """dask cuda worker handed every GPU process the same --dashboard-address: one took 8788 and
+    the others random ports, so the pod's probes and metrics reached one GPU's worker only. With
+    the rendered nanny preload, GPU process n serves on 8788 + n, the port the pod declares."""
+    import asyncio
+
+    import dask
+    import distributed  # noqa: F401  (its config defaults in place before dask.config.set)
+
+    values = {"workerGroups": [{"name": "cpu"}, {"name": "gpu", "memoryLimit": "auto",
+                                                  "gpu": {"type": "h200", "count": 2, "mode": "cuda-worker"}}]}
+    (c,) = pod_specs(render(values))["demo-eugo-dask-gpu-worker"]["containers"]
+    declared = {p["containerPort"]: p["name"] for p in c["ports"]}
+    assert declared == {8788: "http-dashboard", 8789: "http-gpu-1"}
+    base = _free_port_pair()
+    monkeypatch.setenv("POD_NAME", "gpu-pod")
+    # the rendered environment, as Dask reads it
+    preload = dask.config.collect_env({k: v for k, v in env(c).items() if k.startswith("DASK_DISTRIBUTED__NANNY")})
+    with dask.config.set({"distributed.nanny.preload": preload["distributed"]["nanny"]["preload"]}):
+        ports = asyncio.run(_cuda_worker_dashboards("gpu-pod", f":{base}", 2))
+    assert ports == {"gpu-pod-0": base, "gpu-pod-1": base + 1}
+    # without it (as before): the second process is elsewhere (fresh ports: the first run's
+    # worker processes may still hold theirs)
+    base = _free_port_pair()
+    with dask.config.set({"distributed.nanny.preload": []}):
+        ports = asyncio.run(_cuda_worker_dashboards("gpu-pod", f":{base}", 2))
+    assert base in ports.values() and base + 1 not in ports.values(), ports
+
+
 def test_cuda_worker_groups_get_the_cuda_image_or_are_refused():
     """`dask cuda` is only in the eugo-dask-cuda image: with the default image a cuda-worker
     group crash-looped (No such command 'cuda')."""
@@ -594,6 +731,82 @@ def test_one_flag_scales_one_group():
         render(helm_python.parse_set_string("workerReplicas.gpus=1"))
 
 
+# --- GPU groups that follow the GPU work -------------------------------------------------------
+def test_autoscaled_gpu_groups_scale_on_the_schedulers_gpu_backlog():
+    docs = rendered("autoscaling")
+    scaled = by_kind(docs, "ScaledObject")
+    deployments = by_kind(docs, "Deployment")
+    assert set(scaled) == {"demo-eugo-dask-gpu-worker", "demo-eugo-dask-l4-worker"}
+    gpu = scaled["demo-eugo-dask-gpu-worker"]["spec"]
+    assert gpu["scaleTargetRef"] == {"name": "demo-eugo-dask-gpu-worker"}
+    assert (gpu["minReplicaCount"], gpu["maxReplicaCount"]) == (0, 8)
+    (trigger,) = gpu["triggers"]
+    assert trigger["type"] == "metrics-api"
+    assert trigger["metadata"] == {"url": "http://demo-eugo-dask-scheduler.dask.svc:8787/metrics", "format": "prometheus",
+                                   "valueLocation": "eugo_gpu_backlog", "targetValue": "16", "activationTargetValue": "0"}
+    assert scaled["demo-eugo-dask-l4-worker"]["spec"]["triggers"][0]["metadata"]["targetValue"] == "32"
+    # scale-down one pod a minute, each retiring its workers first
+    assert gpu["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleDown"]["policies"] == [
+        {"type": "Pods", "value": 1, "periodSeconds": 60}]
+    # KEDA owns their replicas: a rendered count would reset it at every upgrade
+    assert "replicas" not in deployments["demo-eugo-dask-gpu-worker"]["spec"]
+    assert "replicas" not in deployments["demo-eugo-dask-l4-worker"]["spec"]
+    assert deployments["demo-eugo-dask-cpu-worker"]["spec"]["replicas"] == 2
+    # a group may be at zero: the scheduler plans GPU work for workers yet to start
+    scheduler = env(pod_specs(docs)["demo-eugo-dask-scheduler"]["containers"][0])
+    assert scheduler["DASK_EUGO__GPU_WORKERS_ON_DEMAND"] == "True"
+    assert "DASK_EUGO__GPU_WORKERS_ON_DEMAND" not in env(pod_specs(rendered("default"))["demo-eugo-dask-scheduler"]["containers"][0])
+    one = {"workerGroups": [{"name": "cpu"}, {"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 2}}]}
+    assert "DASK_EUGO__GPU_WORKERS_ON_DEMAND" not in env(pod_specs(render(one))["demo-eugo-dask-scheduler"]["containers"][0])
+    # the helm test counts the workers there are at least
+    (test_pod,) = by_kind(docs, "Pod").values()
+    assert env(test_pod["spec"]["containers"][0])["EUGO_TEST_WORKERS"] == "3"
+    # with the dashboards narrowed, KEDA may still read the scheduler's /metrics
+    policy = by_kind(docs, "NetworkPolicy")["demo-eugo-dask-scheduler"]["spec"]["ingress"][1]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in policy["from"]
+    assert len(policy["from"]) == 3  # the release, monitoring, KEDA (once for two groups)
+    notes = render_text(VALUE_SETS["autoscaling"])["eugo-dask/templates/NOTES.txt"]
+    assert "gpu: 0-8 (KEDA, on eugo_gpu_backlog) × 1 GPU" in notes
+    assert "Watch gpu, l4 scale:  kubectl get scaledobject,hpa -n dask -w" in notes
+
+
+@pytest.mark.parametrize("values, error, match", [
+    ({"workerGroups": [{"name": "cpu", "autoscaling": {"maxReplicas": 3}}]}, HelmRenderError,
+     r"workerGroups\[0\] \(cpu\).autoscaling: only GPU groups scale, on the scheduler's GPU backlog"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}]},
+     HelmRenderError, r"workerGroups\[0\] \(gpu\).autoscaling: minReplicas 3 is above maxReplicas 2"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"maxReplicas": 2}}], "workerReplicas": {"gpu": 1}},
+     HelmRenderError, r"workerReplicas.gpu: the group autoscales"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"minReplicas": 0}}]},
+     HelmValuesError, r"workerGroups/0/autoscaling.*maxReplicas"),
+    ({"workerGroups": [{"name": "gpu", "gpu": {"type": "h200"}, "autoscaling": {"maxReplicas": 2, "max": 3}}]},
+     HelmValuesError, r"workerGroups/0/autoscaling.*max"),
+])
+def test_autoscaling_values_that_cannot_work_are_refused(values, error, match):
+    with pytest.raises(error, match=match):
+        render(values)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_worker_pod_retires_its_workers_before_it_goes(name):
+    """A pod removed by a scale-down, a rollout or a drain lost its results: the preStop hook
+    now retires its workers through the scheduler (results move), within a grace period that
+    leaves it the time."""
+    docs = rendered(name)
+    scheduler = "tls" if VALUE_SETS[name].get("tls", {}).get("enabled") else "tcp"
+    for pod_name, pod in pod_specs(docs).items():
+        if not pod_name.endswith("-worker"):
+            continue
+        (container,) = pod["containers"]
+        command = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:5] == ["python", "-m", "eugo_dask.k8s", "retire", f"{scheduler}://demo-eugo-dask-scheduler:8786"]
+        timeout = int(args_after(command, "--timeout"))
+        assert pod["terminationGracePeriodSeconds"] == timeout + 30, pod_name
+        assert env(container)["POD_NAME"] is None  # (from the downward API: the hook's --name)
+    if name == "autoscaling":
+        assert pod_specs(docs)["demo-eugo-dask-gpu-worker"]["terminationGracePeriodSeconds"] == 630
+
+
 # --- calibration ------------------------------------------------------------------------------
 def test_calibration_job_measures_the_gpu_workers_machine():
     docs = rendered("calibration")
@@ -651,6 +864,26 @@ def test_an_upgrade_keeps_the_job_and_the_calibrated_profile():
                    {"resources": {"requests": {"cpu": "8", "memory": "16Gi"}}}):
         changed = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | change]}
         assert calibration_job(render(changed, revision=3, is_upgrade=True))["metadata"]["name"] != job["metadata"]["name"], change
+
+
+def test_calibrating_a_cuda_worker_group_requests_one_gpus_share():
+    """The Job measures one GPU (one process of nthreads threads): with a cuda-worker group it
+    requested the whole 4-GPU pod's CPU and memory, a node's worth for one GPU."""
+    values = VALUE_SETS["cuda-worker"] | {"calibration": {"enabled": True}}
+    docs = render(values)
+    (container,) = calibration_job(docs)["spec"]["template"]["spec"]["containers"]
+    (worker,) = pod_specs(docs)["demo-eugo-dask-gpu-worker"]["containers"]
+    assert worker["resources"]["requests"]["cpu"] == "16" and worker["resources"]["limits"]["memory"] == "64Gi"
+    resources = container["resources"]
+    assert resources["requests"]["cpu"] == "4000m"
+    assert int(resources["requests"]["memory"]) == int(resources["limits"]["memory"]) == 16 * 2**30
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert resources["requests"]["ephemeral-storage"] == "2Gi"  # the Job's own scratch
+    odd = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | {
+        "resources": {"requests": {"cpu": "1500m", "memory": "10G"}}, "gpu": values["workerGroups"][1]["gpu"] | {"count": 3}}]}
+    (container,) = calibration_job(render(odd))["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"] == "500m"
+    assert container["resources"]["requests"]["memory"] == str(10**10 // 3)
 
 
 def test_calibration_ttl_only_when_asked_for():
@@ -819,6 +1052,43 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
             names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
             by_name = {names[a]: s for a, s in stats.items()}
         assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
+
+
+def _random(n: int):
+    import numpy as np
+
+    return np.random.default_rng().random(n)  # computed again, other numbers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rendered_pre_stop_hook_retires_the_pod_before_it_goes(tmp_path):
+    """The scale-down path: the GPU worker pod's rendered preStop command, run against the
+    rendered scheduler, moves the pod's results to the CPU worker before its worker closes."""
+    import numpy as np
+    from distributed import Client, wait
+
+    values = LOCAL | {"workerGroups": [LOCAL["workerGroups"][0], LOCAL["workerGroups"][1] | {
+        "autoscaling": {"minReplicas": 0, "maxReplicas": 2}}]}
+    with launched(values, tmp_path, {}) as (address, helm_test):
+        (c,) = pod_specs(render(values))["demo-eugo-dask-gpu-worker"]["containers"]
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        with Client(address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            held = client.submit(_random, 10_000, workers=["gpu-worker-0"], pure=False)
+            wait(held, timeout=30)
+            before = held.result(timeout=30)
+            assert list(client.who_has([held]).values()) == [(next(
+                a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "gpu-worker-0"),)]
+            local_env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
+            local_env |= {"PYTHONPATH": str(CHART.parents[1]), "POD_NAME": "gpu-worker-0"}
+            hook = [sys.executable if a == "python" else a.replace("tcp://demo-eugo-dask-scheduler:8786", address)
+                    for a in command]
+            result = subprocess.run(hook, env=local_env, capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "retired gpu-worker-0" in result.stdout
+            assert {w["name"] for w in client.scheduler_info()["workers"].values()} == {"cpu-worker-0"}
+            assert np.array_equal(held.result(timeout=30), before)  # moved, not computed again
 
 
 @pytest.mark.slow

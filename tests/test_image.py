@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -66,6 +67,53 @@ def test_images_run_tini_as_pid_1_and_user_1000():
     assert entrypoints == ['["tini", "--"]']
     assert [args for kw, args in steps if kw == "USER"][-1] == "1000:1000"
     assert [args.split()[-1] for kw, args in steps if kw == "FROM"] == ["eugo-dask", "eugo-dask-cuda"]
+
+
+def _sigterm_under(entrypoint: list[str], tmp_path: Path) -> str:
+    """Start a scheduler, then a `dask worker` under ``entrypoint`` (as the image runs the
+    chart's args), send SIGTERM to the entrypoint as the kubelet does to PID 1, and return the
+    worker's log once it has exited."""
+    import time
+
+    from .cluster import DASK_CLI, free_port
+
+    port = free_port()
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    scheduler = subprocess.Popen([DASK_CLI, "scheduler", "--host", "127.0.0.1", "--port", str(port),
+                                  "--dashboard-address", ":0"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = tmp_path / "worker.log"
+    try:
+        with open(log_path, "w") as log:
+            worker = subprocess.Popen([*entrypoint, DASK_CLI, "worker",
+                                       f"tcp://127.0.0.1:{port}", "--name", "w", "--nthreads", "1",
+                                       "--dashboard-address", ":0"], env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while "Registered to" not in log_path.read_text():
+                assert time.monotonic() < deadline and worker.poll() is None, log_path.read_text()
+                time.sleep(0.2)
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+    finally:
+        scheduler.terminate()
+        scheduler.wait(timeout=30)
+    return log_path.read_text()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not shutil.which("tini"), reason="needs tini (apt-get install tini, as the image does)")
+def test_a_sigterm_under_the_images_init_lets_the_worker_close(tmp_path):
+    """The kubelet's SIGTERM reaches tini, PID 1: with the image's `tini --` the nanny asks its
+    worker to close, and the worker stops as Dask stops it (its plugins' teardown runs); with
+    the former `tini -g --` the worker process was killed outright beside its nanny."""
+    import json
+
+    (entrypoint,) = [json.loads(args) for kw, args in instructions(DOCKERFILE.read_text()) if kw == "ENTRYPOINT"]
+    log = _sigterm_under(entrypoint, tmp_path)
+    assert "Nanny asking worker to close" in log and "Stopping worker at" in log, log
+    assert "was killed by signal" not in log, log
+    group = _sigterm_under(["tini", "-g", "--"], tmp_path)  # the check has teeth
+    assert "was killed by signal 15" in group and "Stopping worker at" not in group, group
 
 
 def run_in_fake_root(etc: Path, home: Path, script: str) -> subprocess.CompletedProcess:

@@ -108,3 +108,75 @@ def test_cli_reports_the_api_error_and_fails(api, tmp_path, capsys, monkeypatch)
     api.error = None
     assert main(["store", str(profile), CONFIGMAP, "--key", "t4.yaml"]) == 0
     assert api.configmaps[CONFIGMAP] == {"t4.yaml": "base: h200\n"}
+
+
+# --- retire: a worker pod's preStop hook -----------------------------------------------------------
+def _random(n: int):
+    import numpy as np
+
+    return np.random.default_rng().random(n)  # a recomputation would give other numbers
+
+
+@pytest.mark.timeout(120)
+def test_retire_moves_a_pods_results_then_closes_its_workers():
+    """Against a real scheduler: the workers of pod "pod-b" (one per GPU, as dask cuda worker
+    names them: pod-b-0, pod-b-1) are retired, their results held elsewhere (the same numbers:
+    moved, not computed again), the other pods' workers untouched."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from distributed import Client, LocalCluster, Worker, wait
+
+    names = ("pod-a", "pod-b-0", "pod-b-1", "pod-b-x", "pod-bb")
+    # in this process, on TCP: the command runs in a process of its own
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=":0") as cluster:
+        cluster.worker_spec.update({n: {"cls": Worker, "options": {"nthreads": 1, "name": n}} for n in names})
+        cluster.scale(len(names))
+        with Client(cluster) as client:
+            client.wait_for_workers(len(names), timeout=60)
+            futures = {n: client.submit(_random, 1000, workers=[n], pure=False, key=f"r-{n}") for n in names}
+            wait(list(futures.values()), timeout=30)
+            before = {n: f.result(timeout=30) for n, f in futures.items()}
+            result = subprocess.run([sys.executable, "-m", "eugo_dask.k8s", "retire", cluster.scheduler_address,
+                                     "--timeout", "60"], env=os.environ | {"POD_NAME": "pod-b"},
+                                    capture_output=True, text=True, timeout=90)
+            assert result.returncode == 0, result.stderr
+            assert "retired pod-b-0, pod-b-1 through" in result.stdout
+            left = {ws.name for ws in cluster.scheduler.workers.values()}
+            assert left == {"pod-a", "pod-b-x", "pod-bb"}
+            for n, f in futures.items():
+                assert np.array_equal(f.result(timeout=30), before[n]), n
+            holders = client.who_has([futures["pod-b-0"], futures["pod-b-1"]])
+            assert all(holders[k] for k in holders)
+            again = subprocess.run([sys.executable, "-m", "eugo_dask.k8s", "retire", cluster.scheduler_address,
+                                    "--name", "pod-c"], capture_output=True, text=True, timeout=90)
+            assert again.returncode == 0 and "no worker of pod pod-c is known" in again.stdout
+
+
+@pytest.mark.timeout(120)
+def test_retire_says_when_no_other_worker_can_take_the_results(capsys):
+    """The last worker cannot move what only it holds: the scheduler keeps it, and retire says
+    so (it said "retired" whatever the scheduler did)."""
+    from distributed import Client, LocalCluster, Worker, wait
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=":0") as cluster:
+        cluster.worker_spec["pod-a"] = {"cls": Worker, "options": {"nthreads": 1, "name": "pod-a"}}
+        cluster.scale(1)
+        with Client(cluster) as client:
+            client.wait_for_workers(1, timeout=60)
+            held = client.submit(_random, 100, pure=False)
+            wait(held, timeout=30)
+            code = main(["retire", cluster.scheduler_address, "--name", "pod-a", "--timeout", "60"])
+            err = capsys.readouterr().err
+            assert code == 1 and f"error: {cluster.scheduler_address} could not retire pod-a: no other worker" in err
+            assert [ws.name for ws in cluster.scheduler.workers.values()] == ["pod-a"]
+
+
+def test_retire_says_when_the_scheduler_cannot_be_reached(capsys):
+    from eugo_dask.testing import free_port
+
+    code = main(["retire", f"tcp://127.0.0.1:{free_port()}", "--name", "pod-a", "--timeout", "5"])
+    err = capsys.readouterr().err
+    assert code == 1 and "error: retiring the workers of pod pod-a through tcp://127.0.0.1:" in err

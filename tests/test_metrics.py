@@ -129,3 +129,82 @@ def test_a_bad_number_from_a_task_is_dropped_and_counted(bad):
         page = EugoDashboard(scheduler)
         page.update()  # the /eugo page's periodic update
         assert "1</b> worker reports dropped" in page.summary.root.text and page.errors == 0
+
+
+def _hold(event_name: str) -> int:
+    from distributed import Event
+
+    Event(event_name).wait(timeout=90)
+    return 1
+
+
+def _backlog(client) -> float:
+    return scrape(client)["eugo_gpu_backlog"][()]
+
+
+def _until(condition, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_gpu_backlog_rises_with_queued_gpu_work_and_returns_to_zero():
+    """The metric GPU groups scale on: eugo's GPU tasks waiting and running. The GPU worker's one
+    slot is held by a task of the user's, so the computation's GPU tasks queue behind it."""
+    from distributed import Event
+
+    with emulated_gpu_cluster(cpu_workers=1) as client:
+        assert _backlog(client) == 0
+        hold = Event("hold-gpu")
+        blocker = client.submit(_hold, "hold-gpu", resources={"GPU": 1}, pure=False)
+        gpu = next(a for a, w in client.scheduler_info()["workers"].items() if w["name"] == "gpu")
+        _until(lambda: client.processing().get(gpu), "the blocker holds the GPU")
+        future = client.compute(pipeline())  # (eugo on: emulated_gpu_cluster's settings)
+        plugin = client.cluster.scheduler.plugins["eugo"]
+        _until(lambda: _backlog(client) > 0, "GPU work queued behind the blocker")
+        queued = _backlog(client)
+        time.sleep(1)  # held: nothing drains
+        assert _backlog(client) == queued == plugin.gpu_backlog() == len(plugin.gpu_keys)
+        hold.set()
+        assert blocker.result(timeout=60) == 1
+        assert_eq(future.result(timeout=60), (np.exp(A / 4) @ A.T).sum(axis=0))
+        _until(lambda: _backlog(client) == 0, "the backlog drains to zero")
+
+
+@pytest.mark.parametrize("on_demand", [True, False])
+def test_a_gpu_group_at_zero_is_woken_by_the_backlog(on_demand):
+    """An autoscaled GPU group at zero: with eugo.gpu-workers-on-demand (the chart sets it on the
+    scheduler) a graph is planned for the GPU workers yet to start, and its GPU tasks wait and
+    show in eugo_gpu_backlog, which the autoscaler scales the group up on; once a GPU worker
+    joins they run on it. Without it, the graph runs on the CPU and the backlog stays zero (the
+    group would never wake)."""
+    import dask
+    from distributed import Client, LocalCluster, Worker
+
+    from eugo_dask.plugin import EugoSchedulerPlugin
+    from eugo_dask.testing import device_tasks, emulated_settings
+
+    settings = emulated_settings() | {"eugo.gpu-workers-on-demand": on_demand}
+    with dask.config.set(settings), LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        cluster.worker_spec["cpu"] = {"cls": Worker, "options": {"nthreads": 1}}
+        cluster.scale(1)
+        with Client(cluster) as client:
+            client.register_plugin(EugoSchedulerPlugin())
+            client.wait_for_workers(1, timeout=60)
+            future = client.compute(pipeline())
+            expected = (np.exp(A / 4) @ A.T).sum(axis=0)
+            if not on_demand:
+                assert_eq(future.result(timeout=60), expected)
+                assert _backlog(client) == 0
+                return
+            _until(lambda: _backlog(client) > 0, "GPU work waits for a GPU worker")
+            time.sleep(1)
+            assert not future.done() and _backlog(client) > 0
+            cluster.worker_spec["gpu"] = {"cls": Worker, "options": {"nthreads": 1, "resources": {"GPU": 1}}}
+            cluster.scale(2)  # what the autoscaler does
+            assert_eq(future.result(timeout=60), expected)
+            ran = client.run(lambda dask_worker: device_tasks(dask_worker))
+            names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+            assert {names[a]: n > 0 for a, n in ran.items()} == {"cpu": False, "gpu": True}
+            _until(lambda: _backlog(client) == 0, "the backlog drains to zero")

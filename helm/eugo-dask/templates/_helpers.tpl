@@ -81,7 +81,22 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- $names = append $names $group.name }}
 {{- if hasKey $.Values.workerReplicas $group.name }}
+{{- if $merged.autoscaling }}
+{{- fail (printf "workerReplicas.%s: the group autoscales (KEDA sets its replicas from autoscaling.minReplicas to maxReplicas); change those instead" $group.name) }}
+{{- end }}
 {{- $_ := set $merged "replicas" (get $.Values.workerReplicas $group.name) }}
+{{- end }}
+{{- with $merged.autoscaling }}
+{{- if not $merged.gpu }}
+{{- fail (printf "workerGroups[%d] (%s).autoscaling: only GPU groups scale, on the scheduler's GPU backlog (eugo_gpu_backlog); this group has no gpu" $i $group.name) }}
+{{- end }}
+{{- $_ := set . "minReplicas" (ternary .minReplicas 0 (hasKey . "minReplicas")) }}
+{{- $_ := set . "backlogPerReplica" (.backlogPerReplica | default 32) }}
+{{- if gt (int .minReplicas) (int .maxReplicas) }}
+{{- fail (printf "workerGroups[%d] (%s).autoscaling: minReplicas %v is above maxReplicas %v" $i $group.name .minReplicas .maxReplicas) }}
+{{- end }}
+{{- /* what the helm test pod and NOTES count on */}}
+{{- $_ := set $merged "replicas" .minReplicas }}
 {{- end }}
 {{- with $merged.gpu }}
 {{- $_ := set . "count" (.count | default 1) }}
@@ -102,6 +117,14 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end }}
 {{- if and (eq .mode "cuda-worker") (ne (toString $merged.memoryLimit) "auto") }}
 {{- fail (printf "workerGroups[%d] (%s).memoryLimit: dask cuda worker applies it to each of its %v GPU processes, so it must be auto (the container's memory split among them); got %q" $i $group.name .count $merged.memoryLimit) }}
+{{- end }}
+{{- end }}
+{{- /* Dask pauses, spills and restarts a worker by its memoryLimit: above the container's
+       limit the kernel kills it first (OOMKilled, every result lost) */}}
+{{- $containerMemory := (($merged.resources | default dict).limits | default dict).memory }}
+{{- if and $containerMemory (ne (toString $merged.memoryLimit) "auto") }}
+{{- if gt (include "eugo-dask.daskBytes" (dict "size" $merged.memoryLimit "of" $containerMemory) | float64) (include "eugo-dask.bytes" $containerMemory | float64) }}
+{{- fail (printf "workerGroups[%d] (%s).memoryLimit: %s is above the container's memory limit %s (resources.limits.memory): the kernel would kill the worker (OOMKilled) before Dask spills, pauses or restarts it. Set it at or below the limit, or auto (Dask reads the container's limit)" $i $group.name (toString $merged.memoryLimit) (toString $containerMemory)) }}
 {{- end }}
 {{- end }}
 {{- if $merged.maxSpill }}
@@ -127,6 +150,61 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $units := dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18
       "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 }}
 {{- mulf (float64 $number) (get $units $unit) -}}
+{{- end -}}
+
+{{/* Dask's --memory-limit (a size as dask.utils.parse_bytes reads it, units in any case; or
+     a fraction of the memory "of", at most 1) in bytes, as a float64 string. (size, of) */}}
+{{- define "eugo-dask.daskBytes" -}}
+{{- $text := toString .size | replace " " "" }}
+{{- $number := regexFind "^[0-9.]+" $text }}
+{{- $unit := trimPrefix $number $text | lower | trimSuffix "b" }}
+{{- $units := dict "" 1.0 "k" 1e3 "m" 1e6 "g" 1e9 "t" 1e12 "p" 1e15
+      "ki" 1024.0 "mi" 1048576.0 "gi" 1073741824.0 "ti" 1099511627776.0 "pi" 1125899906842624.0 }}
+{{- if and (eq $unit "") (le (float64 $number) 1.0) }}
+{{- mulf (float64 $number) (include "eugo-dask.bytes" .of | float64) -}}
+{{- else }}
+{{- mulf (float64 $number) (get $units $unit) -}}
+{{- end }}
+{{- end -}}
+
+{{/* resources with cpu and memory (requests and limits) divided by count: one GPU's share of
+     a cuda-worker pod. Others are kept; ephemeral-storage is left to the pod's own scratch.
+     (resources, count) */}}
+{{- define "eugo-dask.gpuShare" -}}
+{{- $share := dict }}
+{{- range $kind, $amounts := (.resources | default dict) }}
+{{- $out := dict }}
+{{- range $name, $amount := $amounts }}
+{{- if eq $name "cpu" }}
+{{- $millis := include "eugo-dask.millicores" $amount | float64 }}
+{{- $_ := set $out $name (printf "%dm" (divf $millis $.count | ceil | int64)) }}
+{{- else if eq $name "memory" }}
+{{- $_ := set $out $name (toString (divf (include "eugo-dask.bytes" $amount | float64) $.count | floor | int64)) }}
+{{- else if ne $name "ephemeral-storage" }}
+{{- $_ := set $out $name $amount }}
+{{- end }}
+{{- end }}
+{{- $_ := set $share $kind $out }}
+{{- end }}
+{{- toJson $share }}
+{{- end -}}
+
+{{/* A CPU quantity ("4", "0.5", "1500m") in millicores, as a float64 string. */}}
+{{- define "eugo-dask.millicores" -}}
+{{- $text := toString . }}
+{{- if hasSuffix "m" $text }}
+{{- float64 (trimSuffix "m" $text) -}}
+{{- else }}
+{{- mulf (float64 $text) 1000.0 -}}
+{{- end }}
+{{- end -}}
+
+{{/* Whether a GPU group scales from zero: the scheduler then plans GPU work while no GPU
+     worker has joined (eugo.gpu-workers-on-demand), and the work waits for one. "true" or "". */}}
+{{- define "eugo-dask.gpuOnDemand" -}}
+{{- range (include "eugo-dask.workerGroups" . | fromJsonArray) }}
+{{- if and .autoscaling (eq (int .autoscaling.minReplicas) 0) }}true{{ end }}
+{{- end }}
 {{- end -}}
 
 {{/* The first GPU group (its gpu.type prices plans; calibration measures it), "{}" if none. */}}
@@ -293,6 +371,28 @@ readinessProbe:
 livenessProbe:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
+
+{{/* A worker pod's dashboard ports (each with /metrics): 8788, and with cuda-worker one per GPU
+     process, 8788 + n named http-gpu-<n>. (a merged group) */}}
+{{- define "eugo-dask.workerDashboardPorts" -}}
+- {name: http-dashboard, containerPort: 8788}
+{{- if eq ((.gpu | default dict).mode | default "") "cuda-worker" }}
+{{- range $n := untilStep 1 (int .gpu.count) 1 }}
+- {name: {{ printf "http-gpu-%d" $n }}, containerPort: {{ add 8788 $n }}}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The names of every worker group's dashboard ports. */}}
+{{- define "eugo-dask.workerDashboardPortNames" -}}
+{{- $names := list }}
+{{- range (include "eugo-dask.workerGroups" . | fromJsonArray) }}
+{{- range (include "eugo-dask.workerDashboardPorts" . | fromYamlArray) }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- end }}
+{{- toJson ($names | uniq) }}
 {{- end -}}
 
 {{/* Every worker group's pods. */}}
