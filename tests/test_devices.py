@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import dask
 import numpy as np
 import pytest
@@ -416,7 +418,7 @@ def fake(monkeypatch):
     fake_cupy.pool.limit = fake_cupy.pool.used = 0
     reset_device_stats()
     dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
-                                            fft_plan_cache_bytes=1 << 20))
+                                            fft_plan_cache_bytes=1 << 20, gpus="all"))
     dev.direct_copy_bytes = 4096  # stage everything past 4 kB in 64 kB chunks
     yield dev, fake_cupy
 
@@ -467,6 +469,61 @@ def test_several_fake_gpus_select_and_move(fake):
     with fake_cupy.Device(1):
         assert dev.ordinal_of(dev.to_device(np.ones(3))) == 1
     assert dev.ordinal_of(dev.to_device(np.ones(3))) == 0
+
+
+def _tasks_on_threads(dev, threads=8):
+    """The ordinals of ``threads`` worker threads' tasks, all in flight at once."""
+    import concurrent.futures
+
+    barrier = threading.Barrier(threads, timeout=10)
+
+    def run(_):
+        with dev.task() as clock:
+            barrier.wait()
+            return clock.ordinal
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return set(pool.map(run, range(threads), timeout=30))
+
+
+def test_one_gpu_per_process_unless_configured(fake, monkeypatch):
+    """A process drives its current GPU (dask-cuda's processes each see all GPUs, rotated);
+    every GPU it sees only with gpus-per-process all, and never under dask-cuda or RMM."""
+    import sys
+
+    dev, fake_cupy = fake
+    module = fake_cupy.module(device_count=4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one = type(dev)(module)
+    assert one.ordinals == (0,) and _tasks_on_threads(one) == {0}
+    with fake_cupy.Device(2):  # a process that made GPU 2 its own
+        two = type(dev)(module)
+    assert two.ordinals == (2,) and _tasks_on_threads(two) == {2}
+    assert two.ordinal_of(two.to_device(np.ones(3))) == 2  # outside a task, no device named
+    everything = type(dev)(module, DeviceSettings(gpus="all"))
+    assert everything.ordinals == (0, 1, 2, 3) and _tasks_on_threads(everything) == {0, 1, 2, 3}
+    assert [d["ordinal"] for d in everything.memory_stats()["ordinals"]] == [0, 1, 2, 3]
+    # dask-cuda's worker: all configured, one driven
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,0,1")
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert type(dev)(module, DeviceSettings(gpus="all")).count == 4
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+    monkeypatch.delitem(sys.modules, "dask_cuda")
+    monkeypatch.setattr(module.cuda, "get_allocator", lambda: object().__hash__)  # RMM's
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+
+
+def test_gpus_per_process_is_checked():
+    from eugo_dask.config import device_settings
+
+    with dask.config.set({"eugo.gpus-per-process": "all"}):
+        assert device_settings().gpus == "all"
+    assert device_settings().gpus == "one"
+    with dask.config.set({"eugo.gpus-per-process": 2}):
+        with pytest.raises(ValueError, match=r"eugo.gpus-per-process must be one of \['one', 'all'\]; got 2"):
+            device_settings()
 
 
 def test_fake_cupy_pool_limit_fft_caches_and_errors(fake):

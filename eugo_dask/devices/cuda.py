@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -66,7 +68,8 @@ def _host_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class CupyDevice(Device):
-    """CUDA devices through CuPy (every device visible to the process)."""
+    """CUDA devices through CuPy: the process's current device, or every device it sees where
+    ``gpus`` is ``"all"`` and no dask-cuda or RMM set the process up (:attr:`ordinals`)."""
 
     name = "cupy"
     #: Copies at most this large go straight from/to pageable memory (staging costs more).
@@ -75,7 +78,12 @@ class CupyDevice(Device):
     def __init__(self, cupy_module: Any, settings: DeviceSettings | None = None, *,
                  count: int | None = None) -> None:
         self.cupy = cupy_module
-        self._count = int(count if count is not None else cupy_module.cuda.runtime.getDeviceCount())
+        settings = settings or DeviceSettings()
+        if count is not None:
+            self._ordinals = tuple(range(int(count)))
+        else:
+            self._ordinals = _process_ordinals(cupy_module, settings.gpus, self._pool() is None)
+        self._count = len(self._ordinals)
         self._ready: set[int] = set()
         self._ready_lock = threading.Lock()
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
@@ -87,6 +95,10 @@ class CupyDevice(Device):
     def count(self) -> int:
         return self._count
 
+    @property
+    def ordinals(self) -> tuple[int, ...]:
+        return self._ordinals
+
     def is_device_array(self, value: object) -> bool:
         return isinstance(value, self.cupy.ndarray)
 
@@ -95,7 +107,9 @@ class CupyDevice(Device):
 
     def _default_ordinal(self) -> int:
         # outside a task scope, where code that chose no device runs: CuPy's current device
-        return int(self.cupy.cuda.runtime.getDevice())
+        # where this process uses it, else its first
+        current = int(self.cupy.cuda.runtime.getDevice())
+        return current if current in self._ordinals else self._ordinals[0]
 
     # -- per-process and per-thread set-up ----------------------------------------------------
     def _pool(self) -> Any | None:
@@ -294,7 +308,7 @@ class CupyDevice(Device):
         with self._lock:
             caches = dict(self._fft_caches)
         ordinals = []
-        for ordinal in range(self._count):
+        for ordinal in self._ordinals:
             entry: dict[str, Any] = {"ordinal": ordinal,
                                      "tasks_in_flight": self._in_flight[ordinal]}
             if ordinal in self._ready and pool is not None:
@@ -341,11 +355,41 @@ class CupyDevice(Device):
 
     # -- detection ----------------------------------------------------------------------------
     def probe(self) -> str | None:
-        for ordinal in range(self._count):
+        for ordinal in self._ordinals:
             reason = probe_cupy(self.cupy, ordinal)
             if reason is not None:
                 return f"CUDA device {ordinal}: {reason}"
         return None
+
+
+def _process_ordinals(cupy: Any, gpus: str, external_allocator: bool) -> tuple[int, ...]:
+    """The CUDA devices a process drives: its current one; with ``gpus`` ``"all"`` every one
+    it sees, unless dask-cuda or RMM set the process up for one (:func:`dask_cuda_reason`),
+    where the others are its sibling processes' GPUs."""
+    current = int(cupy.cuda.runtime.getDevice())
+    if gpus != "all":
+        return (current,)
+    reason = dask_cuda_reason(external_allocator)
+    if reason is not None:
+        logger.info("eugo: gpus-per-process is 'all' but this process drives one GPU: %s", reason)
+        return (current,)
+    return tuple(range(int(cupy.cuda.runtime.getDeviceCount())))
+
+
+def dask_cuda_reason(external_allocator: bool = False) -> str | None:
+    """Why this process looks like one of dask-cuda's (one process per GPU), or None: dask-cuda
+    is imported, an allocator other than CuPy's own pool is installed (RMM's pool lives on one
+    device), or ``CUDA_VISIBLE_DEVICES`` is rotated (dask-cuda lists each process's own GPU
+    first: ``2,3,0,1``)."""
+    if "dask_cuda" in sys.modules:
+        return "dask_cuda is imported (a dask-cuda worker drives one GPU per process)"
+    if external_allocator:
+        return "CuPy allocates through another allocator (RMM's pool is on one device)"
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if len(visible) > 1 and all(v.isdigit() for v in visible) and visible != sorted(visible, key=int):
+        return (f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} is rotated, as "
+                f"dask-cuda gives each worker process its own GPU first")
+    return None
 
 
 def _after_legacy_stream(cupy: Any, stream: Any) -> None:
