@@ -332,6 +332,39 @@ def test_device_accounting_in_a_real_worker():
     check()
 
 
+def _emulated_result(n):
+    from eugo_dask.runtime import get_device
+
+    return get_device("emulated").to_device(np.ones(n))  # as a GPU task's result
+
+
+def test_host_spilling_leaves_device_values_in_memory():
+    """Past the spill threshold distributed evicts the oldest values until process memory falls
+    below target; a device value frees no host memory there (it would be copied back and
+    pickled), so only host values go to disk, and evicting stops when only device values are
+    left."""
+    from distributed.utils_test import gen_cluster
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)],
+                 worker_kwargs={"memory_limit": "1 GiB"},
+                 config={"eugo.device": "emulated", "distributed.worker.memory.monitor-interval": "1h"})
+    async def check(client, scheduler, worker):
+        device = [client.submit(_emulated_result, 10_000 + i, pure=False) for i in range(3)]
+        host = [client.submit(np.ones, 10_000 + i, pure=False) for i in range(2)]
+        await client.gather(device + host)
+        assert getattr(worker.data, "_eugo_device_accounting", False)
+        worker.monitor.get_process_memory = lambda: 2**30  # stays at the limit whatever is spilled
+        await worker.memory_manager._spill(worker, 2**30)
+        assert {f.key for f in device} <= set(worker.data.fast)
+        assert not {f.key for f in device} & set(worker.data.slow)
+        assert {f.key for f in host} <= set(worker.data.slow)  # host values were spilled
+        assert worker.data.evict() == -1  # nothing host-side left to evict
+        results = await client.gather(device)
+        assert [float(np.sum(r)) for r in results] == [10_000, 10_001, 10_002]
+
+    check()
+
+
 def test_device_metrics_on_the_process_registry(three):
     prometheus_client = pytest.importorskip("prometheus_client")
     x = three.to_device(np.ones(1000), ordinal=1)
