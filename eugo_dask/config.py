@@ -38,6 +38,7 @@ from dask.utils import parse_bytes, parse_timedelta
 from eugo_dask.devices import (
     DEVICES,
     DeviceSettings,
+    cupy_device_attributes,
     cupy_device_count,
     cupy_device_memory,
     cupy_device_name,
@@ -394,10 +395,11 @@ def cluster_profile() -> Any:
 
 def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
     """``auto`` -> the profile for the local CUDA device: the preset of its exact model name with
-    its memory and device count read from the device (:func:`eugo_dask.profile.preset_for_device`);
-    an unknown model is priced with the h200 preset and a warning says to calibrate; the h200
-    preset for the emulated device or where there is no CUDA device here. Anything else is
-    returned as given."""
+    its memory read from the device and the devices a process drives (one, or every one with
+    ``eugo.gpus-per-process: all``) (:func:`eugo_dask.profile.preset_for_device`); a MIG slice
+    priced by its share; an unknown model from its attributes over the slowest preset, with a
+    warning that says to calibrate; the h200 preset for the emulated device or where there is
+    no CUDA device here. Anything else is returned as given."""
     if profile != "auto":
         return profile
     try:
@@ -406,7 +408,13 @@ def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
         name = None
     if name is None:
         return "h200"
-    spec, known = preset_for_device(name, memory_bytes=cupy_device_memory(), count=cupy_device_count())
+    try:
+        every_gpu = device_settings().gpus == "all"
+    except ValueError:  # the device path says what is wrong
+        every_gpu = False
+    spec, known = preset_for_device(name, memory_bytes=cupy_device_memory(),
+                                    count=cupy_device_count() if every_gpu else 1,
+                                    attributes=cupy_device_attributes())
     if not known:
         _warn_unknown_device(name, spec["base"])
     return spec
@@ -421,9 +429,10 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
 
 @functools.cache
 def _warn_unknown_device(name: str, preset: str) -> None:
-    logger.warning("eugo: no preset for the CUDA device %r: planning with the %s preset's figures "
-                   "(memory from the device); run `eugo-dask calibrate` on this machine and set "
-                   "eugo.profile to its profile", name, preset)
+    logger.warning("eugo: no preset for the CUDA device %r: planning with the slowest preset's "
+                   "(%s) link and overheads, GPU rates estimated from the device's attributes "
+                   "where it gives them (memory from the device); run `eugo-dask calibrate` on "
+                   "this machine and set eugo.profile to its profile", name, preset)
 
 
 __all__ = ["PRESETS", "Settings", "device_settings", "emulated_device_count", "load_profile",

@@ -37,6 +37,7 @@ from eugo_dask.devices.base import DeferringLock, Device, DeviceDisabled, Device
 from eugo_dask.devices.clock import TaskClock
 from eugo_dask.devices.cuda import (
     CupyDevice,
+    cupy_device_attributes,
     cupy_device_count,
     cupy_device_memory,
     cupy_device_name,
@@ -77,6 +78,7 @@ __all__ = [
     "DeviceMetricsCollector",
     "DeviceSettings",
     "TaskClock",
+    "cupy_device_attributes",
     "cupy_device_count",
     "cupy_device_memory",
     "cupy_device_name",

@@ -503,3 +503,33 @@ def cupy_device_memory(ordinal: int = 0) -> int | None:
     if not cupy_device_count():
         return None
     return int(import_cupy().cuda.runtime.getDeviceProperties(ordinal)["totalGlobalMem"])
+
+
+#: CUDA device attributes an unknown model is priced from: our name -> (cudaDeviceProp field,
+#: cudaDeviceAttr number). CUDA 13 dropped the clock fields from cudaDeviceProp; the attributes
+#: remain.
+_ATTRIBUTES = {"multiprocessors": ("multiProcessorCount", 16), "clock_khz": ("clockRate", 13),
+               "memory_clock_khz": ("memoryClockRate", 36), "memory_bus_bits": ("memoryBusWidth", 37),
+               "major": ("major", 75), "minor": ("minor", 76)}
+
+
+def cupy_device_attributes(ordinal: int = 0) -> dict[str, Any]:
+    """The attributes of CUDA device ``ordinal`` that price an unknown model
+    (:func:`eugo_dask.profile.gpu_figures_from_attributes`): SMs, clock, memory clock and bus
+    width, compute capability; those CUDA does not give are left out (empty without a device)."""
+    if not cupy_device_count():
+        return {}
+    runtime = import_cupy().cuda.runtime
+    props = runtime.getDeviceProperties(ordinal)
+    found: dict[str, Any] = {}
+    for ours, (field, attribute) in _ATTRIBUTES.items():
+        value = props.get(field)
+        if not value:
+            with contextlib.suppress(Exception):
+                value = runtime.deviceGetAttribute(attribute, ordinal)
+        if value:
+            found[ours] = int(value)
+    if "major" in found and "minor" in found:
+        found["compute_capability"] = (found.pop("major"), found.pop("minor"))
+    return found
+
