@@ -277,7 +277,7 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
 #: The device settings' keys, in :class:`~eugo_dask.devices.DeviceSettings` order.
 _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
                 "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer",
-                "eugo.gpus-per-process")
+                "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results", "eugo.gpus-per-process")
 #: The values of ``eugo.gpus-per-process``.
 GPUS_PER_PROCESS = ("one", "all")
 #: Every key the device path reads (:func:`device_setting_problems` depends on these only).
@@ -287,11 +287,13 @@ _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated
 
 @_per_distinct_values(_DEVICE_KEYS)
 def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
-                    staging_size: Any, gpus: Any) -> DeviceSettings:
+                    staging_size: Any, copy_threads: Any, copy_piece: Any, pinned_results: Any,
+                    gpus: Any) -> DeviceSettings:
     """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
     ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``,
-    ``eugo.staging-buffer`` and ``eugo.gpus-per-process``, validated. Called without arguments:
-    the values in force."""
+    ``eugo.staging-buffer``, the copy engine's ``eugo.copy-threads``, ``eugo.copy-piece`` and
+    ``eugo.pinned-results``, and ``eugo.gpus-per-process``, validated. Called without
+    arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
     if isinstance(plans, bool) or not isinstance(plans, int) or plans < 0:
@@ -308,11 +310,20 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     assert staging is not None
     if 0 < staging < 64 * 1024:
         raise ValueError(f"eugo.staging-buffer must be 0 or at least 64 KiB; got {staging!r}")
+    if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+        raise ValueError(f"eugo.copy-threads must be a whole number from 1 to 64; got {copy_threads!r}")
+    piece = _size("eugo.copy-piece", copy_piece)
+    assert piece is not None
+    if piece < 64 * 1024:
+        raise ValueError(f"eugo.copy-piece must be at least 64 KiB; got {copy_piece!r}")
+    results = _size("eugo.pinned-results", pinned_results)
+    assert results is not None
     if not isinstance(gpus, str) or gpus not in GPUS_PER_PROCESS:
         raise ValueError(f"eugo.gpus-per-process must be one of {list(GPUS_PER_PROCESS)}; got {gpus!r}")
     return DeviceSettings(memory_fraction=fraction, fft_plan_cache_size=plans,
                           fft_plan_cache_bytes=plan_bytes, idle_release_s=idle_s,
-                          staging_bytes=staging, gpus=gpus)
+                          staging_bytes=staging, copy_threads=copy_threads, copy_piece_bytes=piece,
+                          pinned_results_bytes=results, gpus=gpus)
 
 
 @_per_distinct_values(_DEVICE_PATH_KEYS)

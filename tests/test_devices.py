@@ -489,6 +489,100 @@ def test_copies_in_a_task_are_asynchronous_until_it_ends(fake):
     assert device_stats()["h2d_count"] == 3 and device_stats()["h2d_bytes"] == 3 * 400_000
 
 
+# --- the copy engine's host half (eugo_dask/devices/copies.py) ------------------------------------
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 3 * 4096 + 7, 5 * 4096 * 4 + 13, 1 << 20])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_a_host_copy_split_over_threads_lands_in_place(nbytes, threads):
+    from eugo_dask.devices.copies import PIECE_ALIGN, HostCopier, split_bounds
+
+    bounds = split_bounds(nbytes, threads)
+    assert bounds[0][0] == 0 and bounds[-1][1] == nbytes and len(bounds) <= threads
+    assert all(a % PIECE_ALIGN == 0 and a < b for a, b in bounds)
+    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))  # no gap, no overlap
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 2, np.uint8)
+    HostCopier(threads, PIECE_ALIGN).copy(dst[1:-1], src)  # an odd offset, guards either side
+    assert dst[0] == dst[-1] == 0
+    np.testing.assert_array_equal(dst[1:-1], src)
+
+
+def test_staged_copies_split_over_threads_on_fake_cupy(fake, monkeypatch):
+    """Each 64 kB staging chunk is copied by four threads (16 kB pieces), both ways; odd sizes
+    and layouts round-trip under CUDA's ordering rules."""
+    dev, fake_cupy = fake
+    split = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, copy_threads=4,
+                                               copy_piece_bytes=16 * 1024))
+    split.direct_copy_bytes = 4096
+    threads = []
+    copyto = np.copyto
+
+    def spy(dst, src, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return copyto(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(np, "copyto", spy)
+    for n in (50_001, 3 * 8192 + 5):
+        for host in (np.arange(n, dtype=np.float64), np.asfortranarray(np.arange(2 * n).reshape(2, n))):
+            np.testing.assert_array_equal(split.to_host(split.to_device(host)), host)
+            with split.task(0):
+                back = split.to_host(split.to_device(host * 2))
+            np.testing.assert_array_equal(back, host * 2)
+    assert any(t.startswith("eugo-copy") for t in threads)
+    assert split._copier.pieces(64 * 1024) == 4 and split._copier.pieces(20 * 1024) == 1
+
+
+def test_results_land_in_pinned_blocks_from_a_bounded_pool(fake):
+    """With pinned-results set, a result copied back is a pool block the device copies into
+    straight (one DMA, waited for); the block serves the next result once its array is gone,
+    and a full pool falls back to staging into a new array."""
+    import gc
+
+    dev, fake_cupy = fake
+    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024,
+                                                pinned_results_bytes=768 * 1024))
+    pooled.direct_copy_bytes = 4096
+    host = np.arange(60_000, dtype=np.float64).reshape(300, 200)  # 480 kB
+    out = pooled.to_host(pooled.to_device(host))
+    assert pooled._results.owns(out) and fake_cupy._is_pinned(out.ctypes.data)
+    np.testing.assert_array_equal(out, host)  # the DMA into pinned memory was waited for
+    address = out.ctypes.data
+    second = pooled.to_host(pooled.to_device(host + 1))  # 768 kB pool: no room for a second
+    assert not pooled._results.owns(second)
+    np.testing.assert_array_equal(second, host + 1)
+    del out
+    gc.collect()
+    with pooled.task(0):
+        again = pooled.to_host(pooled.to_device(np.asfortranarray(host * 3)))
+    assert again.ctypes.data == address and again.flags.f_contiguous
+    np.testing.assert_array_equal(again, host * 3)
+    assert pooled.memory_stats()["pinned_result_bytes"] == pooled._results.held_bytes() == 512 * 1024
+    assert dev._results.empty((1000,), np.float64) is None  # off by default
+
+
+def test_a_result_pool_reuses_by_size_class_and_stays_bounded():
+    import gc
+
+    from eugo_dask.devices.copies import ResultPool, _size_class
+
+    assert [_size_class(n) for n in (5000, 8192, 8193, 10_000, 12_289)] == [5120, 8192, 10240, 10240, 14336]
+    made = []
+    pool = ResultPool(lambda n: made.append(n) or np.zeros(n, np.uint8), 24 * 1024, min_bytes=4096)
+    assert pool.empty((100,), np.uint8) is None  # below min_bytes
+    a = pool.empty((1000,), np.float64)  # 8000 B -> an 8 kB block
+    b = pool.empty((1200,), np.float64, order="F")  # 9600 B -> a 10 kB block
+    assert pool.empty((1000,), np.float64) is None  # 18 kB held, 8 more would pass 24
+    del a
+    gc.collect()
+    c = pool.empty((900,), np.float64)  # 7200 B: the 8 kB class, a's block again
+    assert made == [8192, 10240] and pool.held_bytes() == 18 * 1024
+    del b, c
+    gc.collect()
+    d = pool.empty((1600,), np.float64)  # 12.8 kB: free blocks dropped to make room
+    # the 8 kB block was dropped (the first free one), the 10 kB one kept: 24 kB held
+    assert d is not None and made[-1] == 14336 and pool.held_bytes() == 24 * 1024
+    assert pool.free_bytes() == 10240 and pool.clear() == 10240 and pool.held_bytes() == 14336
+
+
 def test_several_fake_gpus_select_and_move(fake):
     dev, fake_cupy = fake
     assert dev.count == 2

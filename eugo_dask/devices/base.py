@@ -70,6 +70,13 @@ class DeviceSettings:
     staging_bytes
         Size of each of a thread's two pinned staging buffers; 0: copy straight from and to
         pageable memory.
+    copy_threads, copy_piece_bytes
+        Threads that split one host memcpy into or out of a staging buffer, each given at least
+        ``copy_piece_bytes`` (:class:`~eugo_dask.devices.copies.HostCopier`); 1: the task's
+        thread alone.
+    pinned_results_bytes
+        Pinned host memory held for results copied back (the device copies straight into it:
+        :class:`~eugo_dask.devices.copies.ResultPool`); 0: results are staged into new arrays.
     gpus
         Which CUDA devices a process drives: ``"one"`` (its current device, the first it
         sees) or ``"all"`` it sees; always one under dask-cuda or RMM
@@ -81,6 +88,9 @@ class DeviceSettings:
     fft_plan_cache_bytes: int | None = None
     idle_release_s: float | None = None
     staging_bytes: int = 8 * _MiB
+    copy_threads: int = 4
+    copy_piece_bytes: int = 1 * _MiB
+    pinned_results_bytes: int = 0
     gpus: str = "one"
 
 

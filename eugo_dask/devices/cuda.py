@@ -4,6 +4,9 @@ for. This is the only module of eugo-dask that imports CuPy.
 - **copies**: through two pinned staging buffers per worker thread (:class:`_Staging`), reused,
   in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
   next, asynchronous on the task's stream inside a task scope and synchronised outside one.
+  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back
+  lands, where ``pinned_results_bytes`` allows, in a pinned block the device copies straight
+  into (:mod:`eugo_dask.devices.copies`).
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
   that run.
 - **honest detection** (:func:`probe_cupy`, :func:`cupy_unusable_reason`): a tiny kernel, a GEMM
@@ -25,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings, _MiB
+from eugo_dask.devices.copies import HostCopier, ResultPool
 from eugo_dask.devices.errors import (
     CTK_HINT,
     OUT_OF_MEMORY,
@@ -89,6 +93,8 @@ class CupyDevice(Device):
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
         self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
         self._staging_total = 0
+        self._copier = HostCopier(settings.copy_threads, settings.copy_piece_bytes)
+        self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes, min_bytes=1)
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
     @property
@@ -167,6 +173,20 @@ class CupyDevice(Device):
                              2 * self.settings.staging_bytes)
         return staging
 
+    def _pinned_block(self, nbytes: int) -> Any:
+        """A block of pinned host memory for a result (:class:`ResultPool`), portable."""
+        pinned = self.cupy.cuda.pinned_memory
+        return pinned.PinnedMemoryPointer(
+            pinned.PinnedMemory(nbytes, self.cupy.cuda.runtime.hostAllocPortable), 0)
+
+    def _host_result(self, shape: tuple[int, ...], dtype: Any, order: Literal["C", "F"]) -> np.ndarray:
+        """The host array a copy back lands in: for a staged copy, a pinned block from the
+        result pool (the device copies straight into it) where it has room, else a new array."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        staged = nbytes > self.direct_copy_bytes and self.settings.staging_bytes > 0
+        out = self._results.empty(shape, dtype, order) if staged else None
+        return np.empty(shape, dtype=dtype, order=order) if out is None else out
+
     def _forget_staging(self, nbytes: int) -> None:
         """A dead thread's buffers are gone (under the staging lock, :class:`DeferringLock`)."""
         self._staging_total -= nbytes
@@ -226,7 +246,7 @@ class CupyDevice(Device):
         for i, offset in enumerate(range(0, nbytes, chunk)):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)  # the previous copy out of this buffer has finished
-            np.copyto(staging.views[slot][:size], src[offset:offset + size])
+            self._copier.copy(staging.views[slot][:size], src[offset:offset + size])
             (dst + offset).copy_from_host_async(staging.memory[slot].ptr, size, stream)
             staging.events[slot] = stream.record()
 
@@ -239,13 +259,14 @@ class CupyDevice(Device):
                 array = cupy.ascontiguousarray(array)
             order: Literal["C", "F"] = (
                 "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
-            out = np.empty(array.shape, dtype=array.dtype, order=order)
+            out = self._host_result(array.shape, array.dtype, order)
             self._d2h(array.data, _host_bytes(out), stream)
         return out
 
     def _d2h(self, src: Any, dst: np.ndarray, stream: Any) -> None:
         nbytes, chunk = dst.size, self.settings.staging_bytes
-        if nbytes <= self.direct_copy_bytes or chunk <= 0:
+        if nbytes <= self.direct_copy_bytes or chunk <= 0 or self._results.owns(dst):
+            # pageable (small, or no staging) or pinned (a pool block): one DMA
             src.copy_to_host_async(dst.ctypes.data, nbytes, stream)
             stream.synchronize()
             return
@@ -264,7 +285,7 @@ class CupyDevice(Device):
         for i, offset in enumerate(offsets):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)
-            np.copyto(dst[offset:offset + size], staging.views[slot][:size])
+            self._copier.copy(dst[offset:offset + size], staging.views[slot][:size])
             if i + 2 < len(offsets):
                 issue(i + 2)
 
@@ -323,7 +344,7 @@ class CupyDevice(Device):
         with self._staging_lock:
             pinned = self._staging_total
         return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
-                "pinned_bytes": pinned,
+                "pinned_bytes": pinned, "pinned_result_bytes": self._results.held_bytes(),
                 "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}
