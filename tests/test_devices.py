@@ -509,9 +509,14 @@ def test_a_host_copy_split_over_threads_lands_in_place(nbytes, threads):
 def test_staged_copies_split_over_threads_on_fake_cupy(fake, monkeypatch):
     """Each 64 kB staging chunk is copied by four threads (16 kB pieces), both ways; odd sizes
     and layouts round-trip under CUDA's ordering rules."""
+    import os
+
     dev, fake_cupy = fake
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # as on a GPU host (at most its cores)
     split = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, copy_threads=4,
                                                copy_piece_bytes=16 * 1024))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert type(dev)(dev.cupy, DeviceSettings(copy_threads=4))._copier.threads == 2
     split.direct_copy_bytes = 4096
     threads = []
     copyto = np.copyto

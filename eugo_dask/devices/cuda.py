@@ -93,7 +93,9 @@ class CupyDevice(Device):
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
         self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
         self._staging_total = 0
-        self._copier = HostCopier(settings.copy_threads, settings.copy_piece_bytes)
+        # never more copy threads than the machine has cores
+        self._copier = HostCopier(min(settings.copy_threads, os.cpu_count() or 1),
+                                  settings.copy_piece_bytes)
         self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes, min_bytes=1)
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
