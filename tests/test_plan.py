@@ -214,11 +214,24 @@ def cold_profile(first_use_s, thread_setup_s=0.0):
 @pytest.fixture
 def cold_device(h200_server, monkeypatch):
     """No device started in this process (as in a fresh one), the threaded scheduler; a profile
-    whose start costs nothing unless a test says otherwise."""
+    whose start costs nothing unless a test says otherwise. The emulated device stands for a GPU
+    whose first use is not paid yet (as CuPy's is before its probe ran)."""
     monkeypatch.setattr(runtime, "_devices", {})
     assert not runtime.device_started("emulated")
+    paid = runtime.device_first_use_paid
+    monkeypatch.setattr(optimization, "device_first_use_paid",
+                        lambda name: runtime.device_started(name) if name == "emulated" else paid(name))
     with dask.config.set({"scheduler": "threads", **cold_profile(first_use_s=0.0)}):
         yield
+
+
+def test_the_emulated_device_is_planned_as_cupy_after_its_probe(h200_server, monkeypatch):
+    """A dry run on the emulated device plans what a GPU machine would: resolving eugo.device
+    to CuPy probes the device and pays its first use, so only the threads' set-up is left."""
+    monkeypatch.setattr(runtime, "_devices", {})
+    profile = load_profile(H200_SERVER)
+    with dask.config.set({"scheduler": "threads", "num_workers": 4}):
+        assert optimization._cold_start("emulated", profile) == ColdStart(0.0, 3.4e-3, 4)
 
 
 def test_presets_charge_a_cold_device_its_start(cold_device):
