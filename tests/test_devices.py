@@ -562,6 +562,14 @@ def test_results_land_in_pinned_blocks_from_a_bounded_pool(fake):
     np.testing.assert_array_equal(again, host * 3)
     assert pooled.memory_stats()["pinned_result_bytes"] == pooled._results.held_bytes() == 512 * 1024
     assert dev._results.empty((1000,), np.float64) is None  # off by default
+    del again
+    pooled._results.clear()
+
+    def no_pinned_memory(nbytes):
+        raise fake_cupy.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+    pooled._results._allocate = no_pinned_memory
+    np.testing.assert_array_equal(pooled.to_host(pooled.to_device(host)), host)  # staged instead
 
 
 def test_a_result_pool_reuses_by_size_class_and_stays_bounded():

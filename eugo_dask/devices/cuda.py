@@ -183,10 +183,16 @@ class CupyDevice(Device):
 
     def _host_result(self, shape: tuple[int, ...], dtype: Any, order: Literal["C", "F"]) -> np.ndarray:
         """The host array a copy back lands in: for a staged copy, a pinned block from the
-        result pool (the device copies straight into it) where it has room, else a new array."""
+        result pool (the device copies straight into it) where it has room and pinned memory
+        can be had, else a new array."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        staged = nbytes > self.direct_copy_bytes and self.settings.staging_bytes > 0
-        out = self._results.empty(shape, dtype, order) if staged else None
+        out = None
+        if nbytes > self.direct_copy_bytes and self.settings.staging_bytes > 0:
+            try:
+                out = self._results.empty(shape, dtype, order)
+            except Exception as exc:  # no pinned memory left: stage into a new array
+                if self._classify(exc) != OUT_OF_MEMORY:
+                    raise
         return np.empty(shape, dtype=dtype, order=order) if out is None else out
 
     def _forget_staging(self, nbytes: int) -> None:
