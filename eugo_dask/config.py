@@ -39,6 +39,7 @@ from dask.utils import parse_bytes, parse_timedelta
 from eugo_dask.devices import (
     DEVICES,
     DeviceSettings,
+    cupy_device_attributes,
     cupy_device_count,
     cupy_device_memory,
     cupy_device_name,
@@ -276,7 +277,10 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
 
 #: The device settings' keys, in :class:`~eugo_dask.devices.DeviceSettings` order.
 _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
-                "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer")
+                "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer",
+                "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results", "eugo.gpus-per-process")
+#: The values of ``eugo.gpus-per-process``.
+GPUS_PER_PROCESS = ("one", "all")
 #: Every key the device path reads (:func:`device_setting_problems` depends on these only).
 _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated.devices",
                      *_DEVICE_KEYS)
@@ -284,10 +288,13 @@ _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated
 
 @_per_distinct_values(_DEVICE_KEYS)
 def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
-                    staging_size: Any) -> DeviceSettings:
+                    staging_size: Any, copy_threads: Any, copy_piece: Any, pinned_results: Any,
+                    gpus: Any) -> DeviceSettings:
     """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
-    ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``
-    and ``eugo.staging-buffer``, validated. Called without arguments: the values in force."""
+    ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``,
+    ``eugo.staging-buffer``, the copy engine's ``eugo.copy-threads``, ``eugo.copy-piece`` and
+    ``eugo.pinned-results``, and ``eugo.gpus-per-process``, validated. Called without
+    arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
     if isinstance(plans, bool) or not isinstance(plans, int) or plans < 0:
@@ -304,9 +311,20 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     assert staging is not None
     if 0 < staging < 64 * 1024:
         raise ValueError(f"eugo.staging-buffer must be 0 or at least 64 KiB; got {staging!r}")
+    if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+        raise ValueError(f"eugo.copy-threads must be a whole number from 1 to 64; got {copy_threads!r}")
+    piece = _size("eugo.copy-piece", copy_piece)
+    assert piece is not None
+    if piece < 64 * 1024:
+        raise ValueError(f"eugo.copy-piece must be at least 64 KiB; got {copy_piece!r}")
+    results = _size("eugo.pinned-results", pinned_results)
+    assert results is not None
+    if not isinstance(gpus, str) or gpus not in GPUS_PER_PROCESS:
+        raise ValueError(f"eugo.gpus-per-process must be one of {list(GPUS_PER_PROCESS)}; got {gpus!r}")
     return DeviceSettings(memory_fraction=fraction, fft_plan_cache_size=plans,
                           fft_plan_cache_bytes=plan_bytes, idle_release_s=idle_s,
-                          staging_bytes=staging)
+                          staging_bytes=staging, copy_threads=copy_threads, copy_piece_bytes=piece,
+                          pinned_results_bytes=results, gpus=gpus)
 
 
 @_per_distinct_values(_DEVICE_PATH_KEYS)
@@ -399,10 +417,11 @@ def cluster_profile() -> Any:
 
 def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
     """``auto`` -> the profile for the local CUDA device: the preset of its exact model name with
-    its memory and device count read from the device (:func:`eugo_dask.profile.preset_for_device`);
-    an unknown model is priced with the h200 preset and a warning says to calibrate; the h200
-    preset for the emulated device or where there is no CUDA device here. Anything else is
-    returned as given."""
+    its memory read from the device and the devices a process drives (one, or every one with
+    ``eugo.gpus-per-process: all``) (:func:`eugo_dask.profile.preset_for_device`); a MIG slice
+    priced by its share; an unknown model from its attributes over the slowest preset, with a
+    warning that says to calibrate; the h200 preset for the emulated device or where there is
+    no CUDA device here. Anything else is returned as given."""
     if profile != "auto":
         return profile
     try:
@@ -411,7 +430,13 @@ def resolve_profile(profile: Any, device: DeviceSetting) -> Any:
         name = None
     if name is None:
         return "h200"
-    spec, known = preset_for_device(name, memory_bytes=cupy_device_memory(), count=cupy_device_count())
+    try:
+        every_gpu = device_settings().gpus == "all"
+    except ValueError:  # the device path says what is wrong
+        every_gpu = False
+    spec, known = preset_for_device(name, memory_bytes=cupy_device_memory(),
+                                    count=cupy_device_count() if every_gpu else 1,
+                                    attributes=cupy_device_attributes())
     if not known:
         _warn_unknown_device(name, spec["base"])
     return spec
@@ -426,9 +451,10 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any]) -> Profile:
 
 @functools.cache
 def _warn_unknown_device(name: str, preset: str) -> None:
-    logger.warning("eugo: no preset for the CUDA device %r: planning with the %s preset's figures "
-                   "(memory from the device); run `eugo-dask calibrate` on this machine and set "
-                   "eugo.profile to its profile", name, preset)
+    logger.warning("eugo: no preset for the CUDA device %r: planning with the slowest preset's "
+                   "(%s) link and overheads, GPU rates estimated from the device's attributes "
+                   "where it gives them (memory from the device); run `eugo-dask calibrate` on "
+                   "this machine and set eugo.profile to its profile", name, preset)
 
 
 __all__ = ["PRESETS", "Settings", "device_settings", "emulated_device_count", "load_profile",

@@ -52,6 +52,15 @@ def worker_resources(scheduler: Any) -> list[dict[str, Any]]:
     return [dict(ws.resources) for ws in list(scheduler.workers.values())]
 
 
+def gpu_task_slots(scheduler: Any, resource: str) -> list[tuple[float, int]]:
+    """For each worker of ``scheduler`` that advertises ``resource``: (its units, its threads);
+    empty without a scheduler."""
+    if scheduler is None:
+        return []
+    return [(float(ws.resources[resource]), int(ws.nthreads))
+            for ws in list(scheduler.workers.values()) if ws.resources.get(resource)]
+
+
 def tell_scheduler(scheduler: Any, topic: str, warning: str, *, client: bool) -> None:
     """Log a warning and hand it to the scheduler's event log under ``topic`` (the eugo plugin
     shows it), from the thread Dask materializes graphs in; with ``client``, to the clients too

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -30,6 +31,8 @@ from eugo_dask.array_optimize import current_submission, may_be_ours
 from eugo_dask.config import (
     Settings,
     cluster_profile,
+    device_settings,
+    emulated_device_count,
     gpu_workers_on_demand,
     history_path,
     keyword_settings,
@@ -38,6 +41,7 @@ from eugo_dask.config import (
     resolve_profile,
 )
 from eugo_dask.context import (
+    gpu_task_slots,
     local_scheduler,
     running_scheduler,
     scheduler_plugin,
@@ -125,7 +129,42 @@ class _Described(NamedTuple):
                      min_speedup=settings.min_speedup, device=device,
                      device_memory_bytes=_device_memory_bytes(
                          settings, settings.device, self.profile.gpu.memory_bytes),
+                     gpu_tasks_per_device=_gpu_tasks_per_device(settings, self.profile),
                      cold=_cold_start(device, self.profile))
+
+
+def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
+    """How many GPU tasks may run on one device at once where this graph runs (each needs its
+    working set there at the same time).
+
+    A local threaded scheduler: its threads over the devices a process drives; the processes
+    scheduler: every pool process, each on its one device. A graph the pass plans on a
+    scheduler: for each GPU worker the tasks its resource lets run at once (its units of
+    ``eugo.resource``, at most its threads) over the GPUs a process drives, the most of any
+    worker. Where none of these is known (a client planning for a cluster it cannot see): 1.
+    The devices a process drives are what this process's config says (``eugo.gpus-per-process``,
+    ``eugo.emulated.devices``), which a cluster's workers are assumed to share."""
+    devices = _devices_per_process(settings, profile)
+    if current_submission() is not None:
+        slots = gpu_task_slots(running_scheduler(), settings.resource)
+        return max((math.ceil(min(units, threads) / min(devices, max(int(units), 1)))
+                    for units, threads in slots), default=1)
+    local = local_scheduler()
+    if local is None:
+        return 1
+    kind, workers = local
+    return max(math.ceil(workers / (devices if kind == "threads" else 1)), 1)
+
+
+def _devices_per_process(settings: Settings, profile: Profile) -> int:
+    """The devices one process drives under this process's config."""
+    try:
+        if settings.device == "emulated":
+            return emulated_device_count()
+        every_gpu = device_settings().gpus == "all"
+    except ValueError:  # the device path says what is wrong
+        return 1
+    return max(int(profile.gpu.count), 1) if every_gpu else 1
 
 
 def _cold_start(device: str | None, profile: Profile) -> ColdStart | None:

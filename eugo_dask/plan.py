@@ -79,19 +79,19 @@ class Decision:
     """
 
     __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
-                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move")
+                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move", "_sharing")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None,
                  cold: tuple[float, float, float] | None = None,
-                 move: MoveRule | None = None) -> None:
+                 move: MoveRule | None = None, sharing: int = 1) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
         self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
-        self._cold, self._move = cold, move
+        self._cold, self._move, self._sharing = cold, move, sharing
 
     @property
     def prefix(self) -> str:
@@ -142,8 +142,10 @@ class Decision:
         if not est.gpu_capable:
             return f"{label}: {est.why_cpu}"
         if self._memory_limit is not None:
+            shared = (f" (the device's {format_bytes(self._memory_limit * self._sharing)} shared "
+                      f"by {self._sharing} tasks at once)" if self._sharing > 1 else "")
             return (f"{label}: needs {format_bytes(working_set_bytes(est))} on the device, more "
-                    f"than the {format_bytes(self._memory_limit)} allowed")
+                    f"than the {format_bytes(self._memory_limit)} allowed{shared}")
         if self._cold is not None:
             startup, on_gpu, on_cpu = self._cold
             with_startup = on_gpu + startup
@@ -344,6 +346,7 @@ def place(
     min_speedup: float,
     device: DeviceSetting | None,
     device_memory_bytes: float,
+    gpu_tasks_per_device: int = 1,
     cold: ColdStart | None = None,
     _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
 ) -> Plan:
@@ -359,6 +362,10 @@ def place(
         The device that will run GPU tasks (None: plan what would go where; nothing runs there).
     device_memory_bytes
         A task whose inputs, result and temporaries exceed this never offloads.
+    gpu_tasks_per_device
+        GPU tasks that may run on one device at once (a worker's GPU resource units or a local
+        scheduler's threads, over the devices a process drives): a task of a layer with several
+        chunks gets ``device_memory_bytes`` divided by those of them that run at once.
     cold
         Where the device is not started: what starting it costs. Unless ``min_speedup`` is 0
         (offload whatever can be), the graph's GPU work taken together, the start added, must
@@ -404,7 +411,7 @@ def place(
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
     for k, est, inputs, spec in zip(description.task_keys, description.task_estimates,
                                     description.inputs, description.task_specs, strict=True):
-        lanes, payer = layer_of.get(k[0] if type(k) is tuple else k, (1, 0))
+        lanes, payer, chunks = layer_of.get(k[0] if type(k) is tuple else k, (1, 0, 1))
         lanes = lanes if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
         d2h_in = h2d = 0.0
@@ -436,8 +443,11 @@ def place(
         gpu_total = est.gpu_s + h2d + d2h_out
         cpu_total = cpu_s + d2h_in
         capable = est.gpu_capable
+        # the device's memory is shared by the layer's chunks that run on it at once
+        sharing = max(min(chunks, gpu_tasks_per_device), 1)
+        task_memory_bytes = device_memory_bytes / sharing
         too_big = (capable and device is not None  # working_set_bytes(est), inline
-                   and est.in_bytes + 2 * est.out_bytes > device_memory_bytes)
+                   and est.in_bytes + 2 * est.out_bytes > task_memory_bytes)
         # data movement (a slice, a transpose, a concatenation, a rechunk's pieces) copies its
         # bytes once on the CPU; a copy to the device moves the same bytes through host memory
         # (and the link) first, so the move never pays for it: it runs where its inputs live
@@ -484,9 +494,10 @@ def place(
         as_chosen += chosen
         decisions[k] = Decision(k, placement, est, spec, cpu_s, h2d, d2h_out,
                                 lanes, d2h_in, min_speedup,
-                                device_memory_bytes if too_big else None,
+                                task_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
-                                else None, STAYS if host_move and placement == CPU else None)
+                                else None, STAYS if host_move and placement == CPU else None,
+                                sharing)
     needed_on_host = _host_consumed(description, decisions, outputs, read_by_undescribed)
     follow = _moves_that_follow(kept, seen, needed_on_host)
     if follow:
@@ -502,7 +513,7 @@ def place(
             # the same walk, every task on the CPU; those it would have offloaded say why
             return place(dsk, keys, description, profile=profile, min_speedup=min_speedup,
                          device=device, device_memory_bytes=device_memory_bytes,
-                         _not_starting=not_starting)
+                         gpu_tasks_per_device=gpu_tasks_per_device, _not_starting=not_starting)
 
     return Plan(
         decisions=decisions,
@@ -522,11 +533,11 @@ def place(
 _Kept = tuple[Key, frozenset[Key], Estimate, ArraySpec | None, float, int]
 
 
-def _layers_side_by_side(dsk: Graph, threads: int) -> dict[Key, tuple[int, int]]:
+def _layers_side_by_side(dsk: Graph, threads: int) -> dict[Key, tuple[int, int, int]]:
     """For each layer of ``dsk`` (by name), its chunks that run side by side on ``threads``
-    threads, and its number (from 1, in the order of ``dsk``: see ``_PAYER``)."""
+    threads, its number (from 1, in the order of ``dsk``: see ``_PAYER``), and its chunks."""
     width = Counter([k[0] if type(k) is tuple else k for k, v in dsk.items() if type(v) is Task])
-    return {name: (max(min(n, threads), 1), i)
+    return {name: (max(min(n, threads), 1), i, n)
             for i, (name, n) in enumerate(width.items(), start=1)}
 
 

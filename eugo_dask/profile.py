@@ -2,10 +2,12 @@
 
 A profile is selected with ``dask.config.set({"eugo.profile": NAME_OR_PATH_OR_DICT})``:
 
-- a preset name (``h200``, ``h100-sxm``, ``h100-pcie``, ``a100``, ``gh200``, ``l40s``, ``l4``,
-  ``t4``): GPU and link figures from spec sheets, shipped as YAML under ``eugo_dask/profiles/``;
-  :func:`preset_for_device` matches a CUDA device's exact model name to one (:data:`DEVICE_MODELS`)
-  and takes the memory from the device;
+- a preset name (``b200``, ``gb200``, ``h200``, ``h100-sxm``, ``h100-pcie``, ``gh200``, ``a100``,
+  ``l40s``, ``a10``, ``l4``, ``v100``, ``t4``): GPU and link figures from spec sheets, shipped as
+  YAML under ``eugo_dask/profiles/``; :func:`preset_for_device` matches a CUDA device's exact
+  model name to one (:data:`DEVICE_MODELS`) and takes the memory from the device, prices a MIG
+  slice by its share of the GPU, and an unknown model from its attributes (SMs, clock, memory
+  bus) over the slowest preset (:data:`UNKNOWN_DEVICE_PRESET`), never as a faster one;
 - a path to a YAML or JSON file in the same format (what ``eugo-dask calibrate`` will write);
 - a dict in the same format; ``base: PRESET`` starts from a preset and overrides its fields.
 
@@ -27,6 +29,7 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -39,7 +42,8 @@ import yaml
 from eugo_dask.ops import UFUNC_CLASS
 
 #: GPU presets shipped with the package (spec-sheet figures).
-PRESETS = ("a100", "gh200", "h100-pcie", "h100-sxm", "h200", "l40s", "l4", "t4")
+PRESETS = ("a10", "a100", "b200", "gb200", "gh200", "h100-pcie", "h100-sxm", "h200", "l40s", "l4",
+           "t4", "v100")
 #: CPU presets shipped with the package (assumed figures for dry runs).
 CPU_PRESETS = ("server-x86",)
 
@@ -614,6 +618,8 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any], *,
 #: CUDA device names (exactly as ``cudaGetDeviceProperties`` reports them) -> (preset, the
 #: model's own figures where they differ from the preset's). Names are matched exactly: an
 #: unknown model is never priced as a look-alike ("L40S" is not an "L4").
+_V100_PCIE = {"flops_per_s": {"float16": 1.4e13, "float32": 1.4e13, "float64": 7.0e12},
+              "matmul_flops_per_s": {"float16": 1.12e14, "float32": 1.4e13, "float64": 7.0e12}}
 DEVICE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "NVIDIA H200": ("h200", {}),
     "NVIDIA H200 NVL": ("h200", {"gpu": {"name": "NVIDIA H200 NVL",
@@ -645,21 +651,50 @@ DEVICE_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
                                                            "float64": 1.41e12}}}),
     "NVIDIA L4": ("l4", {}),
     "Tesla T4": ("t4", {}),
+    "NVIDIA B200": ("b200", {}),
+    "NVIDIA GB200": ("gb200", {}),
+    "NVIDIA A10": ("a10", {}),
+    "NVIDIA A10G": ("a10", {"gpu": {"name": "NVIDIA A10G 24GB (priced as the A10)"}}),
+    "Tesla V100-SXM2-32GB": ("v100", {}),
+    "Tesla V100-SXM2-16GB": ("v100", {"gpu": {"name": "Tesla V100 SXM2 16GB"}}),
+    "Tesla V100-PCIE-32GB": ("v100", {"gpu": dict(_V100_PCIE, name="Tesla V100 PCIe 32GB")}),
+    "Tesla V100-PCIE-16GB": ("v100", {"gpu": dict(_V100_PCIE, name="Tesla V100 PCIe 16GB")}),
 }
-#: The preset an unknown CUDA model is priced with (its memory read from the device).
-UNKNOWN_DEVICE_PRESET = "h200"
+#: The preset an unknown CUDA model starts from: the slowest (a test keeps it so); its figures
+#: are replaced by what the device's attributes give (:func:`gpu_figures_from_attributes`).
+UNKNOWN_DEVICE_PRESET = "t4"
+#: MIG's compute slices per GPU on every MIG-capable model (A100, A30 aside, H100, H200, B200).
+MIG_COMPUTE_SLICES = 7
+_MIG_NAME = re.compile(r"(?P<parent>.+?)\s+MIG\s+(?P<compute>\d+)g\.(?P<memory>\d+)gb", re.IGNORECASE)
 
 
 def preset_for_device(name: str, *, memory_bytes: float | None = None,
-                      count: int | None = None) -> tuple[dict[str, Any], bool]:
+                      count: int | None = None,
+                      attributes: Mapping[str, float] | None = None) -> tuple[dict[str, Any], bool]:
     """The profile spec for a CUDA device called ``name`` (matched exactly, surrounding spaces
     aside, against :data:`DEVICE_MODELS`), with ``memory_bytes`` and ``count`` read from the
-    device. Returns (spec, known): an unknown model gets :data:`UNKNOWN_DEVICE_PRESET`'s
-    figures and ``known`` False, so the caller can say to calibrate."""
-    preset, overrides = DEVICE_MODELS.get(name.strip(), (UNKNOWN_DEVICE_PRESET, None))
-    gpu: dict[str, Any] = dict((overrides or {}).get("gpu", {}))
+    device. Returns (spec, known).
+
+    A MIG slice (``NVIDIA A100-SXM4-40GB MIG 1g.5gb``) of a known model is priced by its share:
+    compute rates by its compute slices (of :data:`MIG_COMPUTE_SLICES`), memory bandwidth by its
+    memory's share of the model's. An unknown model gets :data:`UNKNOWN_DEVICE_PRESET`'s
+    figures, the slowest preset's, with the GPU rates its ``attributes`` give
+    (:func:`gpu_figures_from_attributes`; CUDA device attributes by name, as
+    :func:`eugo_dask.devices.cupy_device_attributes` reads them) where they are known, and
+    ``known`` False, so the caller can say to calibrate."""
+    name = name.strip()
+    mig = _MIG_NAME.fullmatch(name)
+    model = mig.group("parent") if mig else name
+    preset, overrides = DEVICE_MODELS.get(model, (UNKNOWN_DEVICE_PRESET, None))
+    gpu: dict[str, Any] = copy.deepcopy(dict((overrides or {}).get("gpu", {})))
     if overrides is None:
-        gpu["name"] = f"{name.strip()} (unknown model, priced as {preset})"
+        estimated = gpu_figures_from_attributes(attributes or {})
+        gpu.update(estimated)
+        how = ("from its attributes over the slowest preset, " if estimated else "as the slowest preset, ")
+        gpu["name"] = f"{name} (unknown model, priced {how}{preset})"
+    elif mig:
+        gpu.update(_mig_share(preset, gpu, int(mig.group("compute")), float(mig.group("memory")) * 1e9))
+        gpu["name"] = f"{gpu.get('name', model)} MIG {mig.group('compute')}g.{mig.group('memory')}gb"
     if memory_bytes:
         gpu["memory_bytes"] = float(memory_bytes)
     if count:
@@ -668,3 +703,54 @@ def preset_for_device(name: str, *, memory_bytes: float | None = None,
     if gpu:
         spec["gpu"] = gpu
     return spec, overrides is not None
+
+
+def _mig_share(preset: str, model_gpu: Mapping[str, Any], compute_slices: int,
+               slice_memory_bytes: float) -> dict[str, Any]:
+    """A MIG slice's GPU figures: the model's (``model_gpu`` over the preset's) rates times its
+    compute share, bandwidth times its memory share."""
+    full = _merge(_parse_packaged(f"{preset}.yaml")["gpu"], model_gpu)
+    compute = min(compute_slices / MIG_COMPUTE_SLICES, 1.0)
+    memory = min(slice_memory_bytes / float(full["memory_bytes"]), 1.0)
+    return {
+        "memory_bandwidth_bytes_per_s": float(full["memory_bandwidth_bytes_per_s"]) * memory,
+        "flops_per_s": {k: float(v) * compute for k, v in full["flops_per_s"].items()},
+        "matmul_flops_per_s": {k: float(v) * compute for k, v in full["matmul_flops_per_s"].items()},
+    }
+
+
+#: FP32 lanes per SM by compute capability (CUDA programming guide's throughput table); an
+#: unlisted one gets the smallest.
+_FP32_LANES = {(6, 0): 64, (6, 1): 128, (7, 0): 64, (7, 5): 64, (8, 0): 64, (8, 6): 128,
+               (8, 7): 128, (8, 9): 128, (9, 0): 128, (10, 0): 128, (12, 0): 128}
+#: Full-rate float64 (half of float32) where listed; else 1/64 of float32.
+_FULL_FP64 = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+#: Dense float16 tensor-core flops per SM per clock (datasheet peak / SMs / boost clock:
+#: V100, T4, A10, L4: 1024; A100: 2048; H100, H200, B200: 4096 or more); none before Volta.
+_TENSOR_FP16 = {(7, 0): 1024, (7, 5): 1024, (8, 0): 2048, (8, 6): 1024, (8, 7): 1024,
+                (8, 9): 1024, (9, 0): 4096, (10, 0): 4096, (12, 0): 1024}
+
+
+def gpu_figures_from_attributes(attributes: Mapping[str, float]) -> dict[str, Any]:
+    """GPU rates estimated from CUDA device attributes: ``multiprocessors``, ``clock_khz``
+    and ``compute_capability`` ((major, minor)) give the float32 rate (SMs x lanes x 2 x clock),
+    float64 (half or 1/64 of it) and GEMM (tensor cores where the architecture has them);
+    ``memory_clock_khz`` and ``memory_bus_bits`` give the bandwidth (double data rate). Peaks,
+    as a datasheet's; only what the attributes give (empty where they give nothing)."""
+    figures: dict[str, Any] = {}
+    memory_clock, bus = attributes.get("memory_clock_khz"), attributes.get("memory_bus_bits")
+    if memory_clock and bus:
+        figures["memory_bandwidth_bytes_per_s"] = 2.0 * float(memory_clock) * 1e3 * float(bus) / 8
+    sms, clock = attributes.get("multiprocessors"), attributes.get("clock_khz")
+    capability = attributes.get("compute_capability")
+    if not (sms and clock and capability):
+        return figures
+    major, minor = (int(v) for v in capability)  # type: ignore[attr-defined]
+    arch = (major, minor)
+    per_clock = float(sms) * float(clock) * 1e3
+    fp32 = 2.0 * _FP32_LANES.get(arch, 64) * per_clock
+    fp64 = fp32 / 2 if arch in _FULL_FP64 else fp32 / 64
+    tensor = _TENSOR_FP16.get(arch, 1024 if major >= 7 else 0) * per_clock
+    figures["flops_per_s"] = {"float16": fp32, "float32": fp32, "float64": fp64}
+    figures["matmul_flops_per_s"] = {"float16": max(tensor, fp32), "float32": fp32, "float64": fp64}
+    return figures

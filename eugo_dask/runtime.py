@@ -134,8 +134,9 @@ def device_started(name: str) -> bool:
 def device_first_use_paid(name: str) -> bool:
     """Whether this process has paid the device's first use (CUDA context, module load, a
     kernel compile): tasks ran on it, or, for CuPy, the probe that resolving ``eugo.device``
-    runs has run."""
-    if device_started(name):
+    runs has run. The emulated device has no start of its own and stands for a GPU in a dry
+    run: it is planned as CuPy is once resolved, its first use paid (its threads' set-up not)."""
+    if device_started(name) or name == "emulated":
         return True
     return name == "cupy" and cupy_probe_passed()
 

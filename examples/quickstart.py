@@ -1,7 +1,7 @@
 """Quickstart: see what eugo would put on a GPU, then run it (on a CPU-only machine too).
 
     python examples/quickstart.py            # 8192² arrays
-    python examples/quickstart.py --quick    # 2048² arrays (what the tests run)
+    python examples/quickstart.py --quick    # 4096² arrays (what the tests run)
 
 1. ``eugo_dask.explain`` prints the placement of every task, grouped by task prefix, with the
    estimates and a reason for each: matmul goes to the GPU, the cheap reduction over host data
@@ -42,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small arrays")
     args = parser.parse_args()
-    n, chunk = (2048, 1024) if args.quick else (8192, 4096)
+    n, chunk = (4096, 2048) if args.quick else (8192, 4096)
 
     field, profile_mean, host_sum = pipeline(n, chunk)
     settings = {"eugo.device": "emulated", "eugo.profile": PROFILE}

@@ -7,6 +7,10 @@ measured and appends one JSON record to ``--json`` (the script's ``results.jsonl
   pageable copies and raw pinned DMA, 1 MiB to 1 GiB, first call (cold: buffers and pool
   allocated) and warm, copies back into a new (page-faulting) or a reused host array, and the
   staging buffer size swept at 256 MiB;
+- ``engine``: the copy engine (copy threads 1, 4 and 8, capped at the cores; results staged
+  into new arrays or copied into pinned blocks from the result pool) against raw pinned DMA,
+  1 MiB to 1 GiB both ways, as rates and ratios, and whether chunks of 16 MiB and more reach
+  0.8 of the DMA rate;
 - ``timing``: what an unsynchronised timer sees (launch) against the device's time (CUDA events
   in a task scope) for a GEMM, an elementwise chain and an FFT, and what the runtime's
   ``DeviceCall`` returns after;
@@ -185,6 +189,56 @@ def check_copies() -> dict[str, Any]:
         print(f"staging {chunk_mib:>3} MiB at 256 MiB: h2d {sweep[chunk_mib]['h2d_GBps']:6.1f} GB/s, "
               f"d2h {sweep[chunk_mib]['d2h_GBps']:6.1f} GB/s", flush=True)
     return {"seconds_by_size": rows, "staging_sweep": sweep}
+
+
+ENGINE_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
+
+
+def _engine_at(cupy: Any, engines: dict[str, CupyDevice], nbytes: int) -> dict[str, float]:
+    """GB/s of each engine setting each way at ``nbytes``, and of raw pinned DMA."""
+    stream = cupy.cuda.get_current_stream()
+    pinned_mod = cupy.cuda.pinned_memory
+    host = np.ones(nbytes, dtype=np.uint8)
+    pinned = pinned_mod.PinnedMemoryPointer(pinned_mod.PinnedMemory(nbytes), 0)
+    repeat = 3 if nbytes < 512 * MiB else 2
+    first = next(iter(engines.values()))
+    on_device = first.to_device(host)
+
+    def dma(fn: Callable[[], Any]) -> float:
+        def run() -> None:
+            fn()
+            stream.synchronize()
+        return nbytes / best(run, repeat) / 1e9
+
+    row = {"dma_h2d": dma(lambda: on_device.data.copy_from_host_async(pinned.ptr, nbytes, stream)),
+           "dma_d2h": dma(lambda: on_device.data.copy_to_host_async(pinned.ptr, nbytes, stream))}
+    for name, dev in engines.items():
+        row[f"{name}_h2d"] = nbytes / best(lambda dev=dev: dev.to_device(host), repeat) / 1e9
+        row[f"{name}_d2h"] = nbytes / best(lambda dev=dev: dev.to_host(on_device), repeat) / 1e9
+    return row
+
+
+def check_engine() -> dict[str, Any]:
+    cupy = gpu()
+    cores = os.cpu_count() or 1
+    engines = {f"threads{n}": CupyDevice(cupy, DeviceSettings(copy_threads=n), count=1)
+               for n in (1, 4, 8)}
+    engines["threads4_pinned"] = CupyDevice(cupy, DeviceSettings(
+        copy_threads=4, pinned_results_bytes=2048 * MiB), count=1)
+    rows = []
+    for mib in ENGINE_SIZES_MIB:
+        row = _engine_at(cupy, engines, mib * MiB)
+        ratios = {k: v / row["dma_" + k.rsplit("_", 1)[1]] for k, v in row.items() if not k.startswith("dma")}
+        rows.append({"MiB": mib, "GBps": row, "of_dma": ratios})
+        print(f"{mib:>5} MiB  DMA h2d {row['dma_h2d']:5.1f} d2h {row['dma_d2h']:5.1f} GB/s; "
+              + "  ".join(f"{k} {v:.2f}" for k, v in ratios.items()) + "  (of DMA)", flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    best_from_16 = {way: min(max(r["of_dma"][k] for k in r["of_dma"] if k.endswith(way))
+                             for r in rows if r["MiB"] >= 16) for way in ("h2d", "d2h")}
+    print(f"best engine setting from 16 MiB, worst size: h2d {best_from_16['h2d']:.2f}, d2h "
+          f"{best_from_16['d2h']:.2f} of raw pinned DMA (target 0.8); {cores} cores", flush=True)
+    return {"cores": cores, "rows": rows, "best_of_dma_from_16MiB": best_from_16,
+            "meets_0_8": all(v >= 0.8 for v in best_from_16.values())}
 
 
 def check_timing() -> dict[str, Any]:
@@ -463,7 +517,7 @@ def check_distributed() -> dict[str, Any]:
 
 
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
-    "env": check_env, "copies": check_copies, "timing": check_timing, "memory": check_memory,
+    "env": check_env, "copies": check_copies, "engine": check_engine, "timing": check_timing, "memory": check_memory,
     "threads": check_threads, "throughput": check_throughput, "distributed": check_distributed,
 }
 

@@ -29,8 +29,13 @@ def emulated():
 
 @pytest.fixture
 def h200_server():
-    """Plan under the h200 preset with the server-class CPU, default min-speedup."""
+    """Plan under the h200 preset with the server-class CPU, default min-speedup, on a started
+    device (as on a worker that ran GPU tasks before: presets charge a device's first use,
+    which a cold device pays, see ``cold_device`` in test_plan)."""
+    from eugo_dask import runtime
+
     with dask.config.set({"eugo.device": "emulated", "eugo.profile": H200_SERVER}):
+        runtime.get_device("emulated")
         yield
 
 

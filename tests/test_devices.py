@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import dask
 import numpy as np
 import pytest
@@ -330,6 +332,39 @@ def test_device_accounting_in_a_real_worker():
     check()
 
 
+def _emulated_result(n):
+    from eugo_dask.runtime import get_device
+
+    return get_device("emulated").to_device(np.ones(n))  # as a GPU task's result
+
+
+def test_host_spilling_leaves_device_values_in_memory():
+    """Past the spill threshold distributed evicts the oldest values until process memory falls
+    below target; a device value frees no host memory there (it would be copied back and
+    pickled), so only host values go to disk, and evicting stops when only device values are
+    left."""
+    from distributed.utils_test import gen_cluster
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)],
+                 worker_kwargs={"memory_limit": "1 GiB"},
+                 config={"eugo.device": "emulated", "distributed.worker.memory.monitor-interval": "1h"})
+    async def check(client, scheduler, worker):
+        device = [client.submit(_emulated_result, 10_000 + i, pure=False) for i in range(3)]
+        host = [client.submit(np.ones, 10_000 + i, pure=False) for i in range(2)]
+        await client.gather(device + host)
+        assert getattr(worker.data, "_eugo_device_accounting", False)
+        worker.monitor.get_process_memory = lambda: 2**30  # stays at the limit whatever is spilled
+        await worker.memory_manager._spill(worker, 2**30)
+        assert {f.key for f in device} <= set(worker.data.fast)
+        assert not {f.key for f in device} & set(worker.data.slow)
+        assert {f.key for f in host} <= set(worker.data.slow)  # host values were spilled
+        assert worker.data.evict() == -1  # nothing host-side left to evict
+        results = await client.gather(device)
+        assert [float(np.sum(r)) for r in results] == [10_000, 10_001, 10_002]
+
+    check()
+
+
 def test_device_metrics_on_the_process_registry(three):
     prometheus_client = pytest.importorskip("prometheus_client")
     x = three.to_device(np.ones(1000), ordinal=1)
@@ -416,7 +451,7 @@ def fake(monkeypatch):
     fake_cupy.pool.limit = fake_cupy.pool.used = 0
     reset_device_stats()
     dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
-                                            fft_plan_cache_bytes=1 << 20))
+                                            fft_plan_cache_bytes=1 << 20, gpus="all"))
     dev.direct_copy_bytes = 4096  # stage everything past 4 kB in 64 kB chunks
     yield dev, fake_cupy
 
@@ -454,6 +489,113 @@ def test_copies_in_a_task_are_asynchronous_until_it_ends(fake):
     assert device_stats()["h2d_count"] == 3 and device_stats()["h2d_bytes"] == 3 * 400_000
 
 
+# --- the copy engine's host half (eugo_dask/devices/copies.py) ------------------------------------
+@pytest.mark.parametrize("nbytes", [1, 4095, 4096, 3 * 4096 + 7, 5 * 4096 * 4 + 13, 1 << 20])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_a_host_copy_split_over_threads_lands_in_place(nbytes, threads):
+    from eugo_dask.devices.copies import PIECE_ALIGN, HostCopier, split_bounds
+
+    bounds = split_bounds(nbytes, threads)
+    assert bounds[0][0] == 0 and bounds[-1][1] == nbytes and len(bounds) <= threads
+    assert all(a % PIECE_ALIGN == 0 and a < b for a, b in bounds)
+    assert all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))  # no gap, no overlap
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.zeros(nbytes + 2, np.uint8)
+    HostCopier(threads, PIECE_ALIGN).copy(dst[1:-1], src)  # an odd offset, guards either side
+    assert dst[0] == dst[-1] == 0
+    np.testing.assert_array_equal(dst[1:-1], src)
+
+
+def test_staged_copies_split_over_threads_on_fake_cupy(fake, monkeypatch):
+    """Each 64 kB staging chunk is copied by four threads (16 kB pieces), both ways; odd sizes
+    and layouts round-trip under CUDA's ordering rules."""
+    import os
+
+    dev, fake_cupy = fake
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # as on a GPU host (at most its cores)
+    split = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, copy_threads=4,
+                                               copy_piece_bytes=16 * 1024))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert type(dev)(dev.cupy, DeviceSettings(copy_threads=4))._copier.threads == 2
+    split.direct_copy_bytes = 4096
+    threads = []
+    copyto = np.copyto
+
+    def spy(dst, src, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return copyto(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(np, "copyto", spy)
+    for n in (50_001, 3 * 8192 + 5):
+        for host in (np.arange(n, dtype=np.float64), np.asfortranarray(np.arange(2 * n).reshape(2, n))):
+            np.testing.assert_array_equal(split.to_host(split.to_device(host)), host)
+            with split.task(0):
+                back = split.to_host(split.to_device(host * 2))
+            np.testing.assert_array_equal(back, host * 2)
+    assert any(t.startswith("eugo-copy") for t in threads)
+    assert split._copier.pieces(64 * 1024) == 4 and split._copier.pieces(20 * 1024) == 1
+
+
+def test_results_land_in_pinned_blocks_from_a_bounded_pool(fake):
+    """With pinned-results set, a result copied back is a pool block the device copies into
+    straight (one DMA, waited for); the block serves the next result once its array is gone,
+    and a full pool falls back to staging into a new array."""
+    import gc
+
+    dev, fake_cupy = fake
+    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024,
+                                                pinned_results_bytes=768 * 1024))
+    pooled.direct_copy_bytes = 4096
+    host = np.arange(60_000, dtype=np.float64).reshape(300, 200)  # 480 kB
+    out = pooled.to_host(pooled.to_device(host))
+    assert pooled._results.owns(out) and fake_cupy._is_pinned(out.ctypes.data)
+    np.testing.assert_array_equal(out, host)  # the DMA into pinned memory was waited for
+    address = out.ctypes.data
+    second = pooled.to_host(pooled.to_device(host + 1))  # 768 kB pool: no room for a second
+    assert not pooled._results.owns(second)
+    np.testing.assert_array_equal(second, host + 1)
+    del out
+    gc.collect()
+    with pooled.task(0):
+        again = pooled.to_host(pooled.to_device(np.asfortranarray(host * 3)))
+    assert again.ctypes.data == address and again.flags.f_contiguous
+    np.testing.assert_array_equal(again, host * 3)
+    assert pooled.memory_stats()["pinned_result_bytes"] == pooled._results.held_bytes() == 512 * 1024
+    assert dev._results.empty((1000,), np.float64) is None  # off by default
+    del again
+    pooled._results.clear()
+
+    def no_pinned_memory(nbytes):
+        raise fake_cupy.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+    pooled._results._allocate = no_pinned_memory
+    np.testing.assert_array_equal(pooled.to_host(pooled.to_device(host)), host)  # staged instead
+
+
+def test_a_result_pool_reuses_by_size_class_and_stays_bounded():
+    import gc
+
+    from eugo_dask.devices.copies import ResultPool, _size_class
+
+    assert [_size_class(n) for n in (5000, 8192, 8193, 10_000, 12_289)] == [5120, 8192, 10240, 10240, 14336]
+    made = []
+    pool = ResultPool(lambda n: made.append(n) or np.zeros(n, np.uint8), 24 * 1024, min_bytes=4096)
+    assert pool.empty((100,), np.uint8) is None  # below min_bytes
+    a = pool.empty((1000,), np.float64)  # 8000 B -> an 8 kB block
+    b = pool.empty((1200,), np.float64, order="F")  # 9600 B -> a 10 kB block
+    assert pool.empty((1000,), np.float64) is None  # 18 kB held, 8 more would pass 24
+    del a
+    gc.collect()
+    c = pool.empty((900,), np.float64)  # 7200 B: the 8 kB class, a's block again
+    assert made == [8192, 10240] and pool.held_bytes() == 18 * 1024
+    del b, c
+    gc.collect()
+    d = pool.empty((1600,), np.float64)  # 12.8 kB: free blocks dropped to make room
+    # the 8 kB block was dropped (the first free one), the 10 kB one kept: 24 kB held
+    assert d is not None and made[-1] == 14336 and pool.held_bytes() == 24 * 1024
+    assert pool.free_bytes() == 10240 and pool.clear() == 10240 and pool.held_bytes() == 14336
+
+
 def test_several_fake_gpus_select_and_move(fake):
     dev, fake_cupy = fake
     assert dev.count == 2
@@ -467,6 +609,61 @@ def test_several_fake_gpus_select_and_move(fake):
     with fake_cupy.Device(1):
         assert dev.ordinal_of(dev.to_device(np.ones(3))) == 1
     assert dev.ordinal_of(dev.to_device(np.ones(3))) == 0
+
+
+def _tasks_on_threads(dev, threads=8):
+    """The ordinals of ``threads`` worker threads' tasks, all in flight at once."""
+    import concurrent.futures
+
+    barrier = threading.Barrier(threads, timeout=10)
+
+    def run(_):
+        with dev.task() as clock:
+            barrier.wait()
+            return clock.ordinal
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return set(pool.map(run, range(threads), timeout=30))
+
+
+def test_one_gpu_per_process_unless_configured(fake, monkeypatch):
+    """A process drives its current GPU (dask-cuda's processes each see all GPUs, rotated);
+    every GPU it sees only with gpus-per-process all, and never under dask-cuda or RMM."""
+    import sys
+
+    dev, fake_cupy = fake
+    module = fake_cupy.module(device_count=4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one = type(dev)(module)
+    assert one.ordinals == (0,) and _tasks_on_threads(one) == {0}
+    with fake_cupy.Device(2):  # a process that made GPU 2 its own
+        two = type(dev)(module)
+    assert two.ordinals == (2,) and _tasks_on_threads(two) == {2}
+    assert two.ordinal_of(two.to_device(np.ones(3))) == 2  # outside a task, no device named
+    everything = type(dev)(module, DeviceSettings(gpus="all"))
+    assert everything.ordinals == (0, 1, 2, 3) and _tasks_on_threads(everything) == {0, 1, 2, 3}
+    assert [d["ordinal"] for d in everything.memory_stats()["ordinals"]] == [0, 1, 2, 3]
+    # dask-cuda's worker: all configured, one driven
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,0,1")
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert type(dev)(module, DeviceSettings(gpus="all")).count == 4
+    monkeypatch.setitem(sys.modules, "dask_cuda", types.ModuleType("dask_cuda"))
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+    monkeypatch.delitem(sys.modules, "dask_cuda")
+    monkeypatch.setattr(module.cuda, "get_allocator", lambda: object().__hash__)  # RMM's
+    assert type(dev)(module, DeviceSettings(gpus="all")).ordinals == (0,)
+
+
+def test_gpus_per_process_is_checked():
+    from eugo_dask.config import device_settings
+
+    with dask.config.set({"eugo.gpus-per-process": "all"}):
+        assert device_settings().gpus == "all"
+    assert device_settings().gpus == "one"
+    with dask.config.set({"eugo.gpus-per-process": 2}):
+        with pytest.raises(ValueError, match=r"eugo.gpus-per-process must be one of \['one', 'all'\]; got 2"):
+            device_settings()
 
 
 def test_fake_cupy_pool_limit_fft_caches_and_errors(fake):

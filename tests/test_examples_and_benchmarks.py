@@ -245,11 +245,20 @@ def check_makespan(out: str) -> None:
     assert "worst makespan / bound, by policy: static" in out
 
 
+def check_copy_engine(out: str) -> None:
+    rows = {line[:28].strip(): line[28:].split() for line in out.splitlines()[3:]}
+    cases = [f"{case}, {n} thread(s)" for case in ("to device", "back new", "back touched")
+             for n in (1, 2, 4, 8)]
+    assert list(rows) == ["one memcpy", *cases]
+    assert rows["one memcpy"][1] == "1.00"
+    assert all(float(gbs) > 0 and float(ratio) > 0 for gbs, ratio in rows.values())
+
+
 CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
           "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
           "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy,
           "root_tasks": check_root_tasks, "joint_plans": check_joint_plans,
-          "makespan": check_makespan}
+          "makespan": check_makespan, "copy_engine": check_copy_engine}
 
 
 def test_benchmark_helpers_refuse_to_come_after_numpy():

@@ -133,7 +133,7 @@ def test_array_expressions_say_eugo_is_off_and_explain_still_works():
         "    import eugo_dask\n"
         "print([str(w.message)[:60] for w in caught if w.category is RuntimeWarning])\n"
         "x = da.from_array(np.ones((4000, 4000)), chunks=2000)\n"
-        "plan = eugo_dask.explain(np.exp(np.sin(x)).sum(),"
+        "plan = eugo_dask.explain(np.exp(np.sin(x)).sum(), min_speedup=0,"
         " profile={'base': 'h200', 'cpu': 'server-x86'})\n"
         "print(plan.device, len(plan.gpu_keys))\n"
     )

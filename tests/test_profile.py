@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 import yaml
@@ -287,9 +288,88 @@ def test_look_alike_models_are_not_priced_as_each_other():
                             "cpu": "server-x86"})
     assert a100_40.gpu.memory_bytes == 4.0e10 and a100_40.gpu.memory_bandwidth_bytes_per_s == 1.555e12
     spec, known = preset_for_device("NVIDIA RTX 6000 Ada Generation", memory_bytes=5.1e10)
-    assert not known and spec["base"] == "h200"
-    assert spec["gpu"] == {"name": "NVIDIA RTX 6000 Ada Generation (unknown model, priced as h200)",
-                           "memory_bytes": 5.1e10}
+    assert not known and spec["base"] == "t4"
+    assert spec["gpu"] == {"name": "NVIDIA RTX 6000 Ada Generation (unknown model, priced as the "
+                                   "slowest preset, t4)", "memory_bytes": 5.1e10}
+
+
+def _preset_gpus():
+    from eugo_dask.profile import PRESETS
+
+    return {name: load_profile({"base": name, "cpu": "server-x86"}).gpu for name in PRESETS}
+
+
+def test_an_unknown_model_is_priced_as_the_slowest_preset_never_a_faster_one():
+    """Before, any model without a preset was priced as a full H200 (the fastest but two)."""
+    from eugo_dask.profile import UNKNOWN_DEVICE_PRESET, preset_for_device
+
+    gpus = _preset_gpus()
+    slowest = gpus[UNKNOWN_DEVICE_PRESET]
+    for rates in ("flops_per_s", "matmul_flops_per_s"):
+        assert getattr(slowest, rates).float32 == min(getattr(g, rates).float32 for g in gpus.values())
+    spec, known = preset_for_device("NVIDIA Some Future GPU", memory_bytes=1e10)
+    unknown = load_profile({**spec, "cpu": "server-x86"})
+    assert not known and unknown.gpu.flops_per_s == slowest.flops_per_s
+    assert unknown.link == load_profile({"base": "t4", "cpu": "server-x86"}).link
+
+
+def test_an_unknown_model_is_priced_from_its_attributes():
+    from eugo_dask.profile import gpu_figures_from_attributes, preset_for_device
+
+    # an A10G as CUDA describes it: 80 SMs at 1.71 GHz, GDDR6 at 6.25 GHz on a 384-bit bus, 8.6
+    a10g = {"multiprocessors": 80, "clock_khz": 1_710_000, "memory_clock_khz": 6_251_000,
+            "memory_bus_bits": 384, "compute_capability": (8, 6)}
+    spec, known = preset_for_device("NVIDIA A10G-like", memory_bytes=2.4e10, attributes=a10g)
+    gpu = load_profile({**spec, "cpu": "server-x86"}).gpu
+    assert not known and "priced from its attributes" in gpu.name
+    assert gpu.memory_bandwidth_bytes_per_s == pytest.approx(600e9, rel=0.01)  # AWS: 600 GB/s
+    assert gpu.flops_per_s.float32 == pytest.approx(80 * 128 * 2 * 1.71e9)  # 35 TFLOPS
+    assert gpu.flops_per_s.float64 == pytest.approx(gpu.flops_per_s.float32 / 64)
+    # the attributes of known models give about their datasheets' peaks
+    h100 = gpu_figures_from_attributes({"multiprocessors": 132, "clock_khz": 1_980_000,
+                                        "memory_clock_khz": 2_619_000, "memory_bus_bits": 5120,
+                                        "compute_capability": (9, 0)})
+    assert h100["memory_bandwidth_bytes_per_s"] == pytest.approx(3.35e12, rel=0.01)
+    assert h100["flops_per_s"]["float64"] == pytest.approx(33.5e12, rel=0.01)
+    assert h100["matmul_flops_per_s"]["float16"] == pytest.approx(1.07e15, rel=0.1)
+    assert gpu_figures_from_attributes({}) == {}
+
+
+@pytest.mark.parametrize("name, preset", [
+    ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200"), ("NVIDIA A10", "a10"), ("NVIDIA A10G", "a10"),
+    ("Tesla V100-SXM2-32GB", "v100"), ("Tesla V100-PCIE-16GB", "v100"),
+])
+def test_new_presets_are_matched(name, preset):
+    from eugo_dask.profile import preset_for_device
+
+    spec, known = preset_for_device(name, memory_bytes=1.6e10)
+    gpu = load_profile({**spec, "cpu": "server-x86"}).gpu
+    assert known and spec["base"] == preset and gpu.memory_bytes == 1.6e10
+    assert gpu.first_use_s and gpu.thread_setup_s  # presets charge a device's start
+
+
+def test_new_presets_rank_as_their_datasheets():
+    gpus = _preset_gpus()
+    assert gpus["b200"].matmul_flops_per_s.float16 > gpus["h200"].matmul_flops_per_s.float16 > \
+        gpus["a10"].matmul_flops_per_s.float16
+    assert gpus["v100"].flops_per_s.float64 > gpus["a10"].flops_per_s.float64  # V100: full float64
+    assert all(g.first_use_s and g.thread_setup_s for g in gpus.values())
+
+
+def test_a_mig_slice_is_priced_by_its_share():
+    from eugo_dask.profile import preset_for_device
+
+    full = load_profile({"base": "a100", "cpu": "server-x86", "gpu": {"memory_bandwidth_bytes_per_s": 1.555e12}}).gpu
+    spec, known = preset_for_device("NVIDIA A100-SXM4-40GB MIG 1g.5gb", memory_bytes=4.9e9)
+    gpu = load_profile({**spec, "cpu": "server-x86"}).gpu
+    assert known and spec["base"] == "a100" and "MIG 1g.5gb" in gpu.name
+    assert gpu.flops_per_s.float32 == pytest.approx(full.flops_per_s.float32 / 7)
+    assert gpu.matmul_flops_per_s.float16 == pytest.approx(full.matmul_flops_per_s.float16 / 7)
+    assert gpu.memory_bandwidth_bytes_per_s == pytest.approx(full.memory_bandwidth_bytes_per_s * 5 / 80)
+    assert gpu.memory_bytes == 4.9e9
+    three = load_profile({**preset_for_device("NVIDIA H200 MIG 3g.71gb")[0], "cpu": "server-x86"}).gpu
+    h200 = load_profile({"base": "h200", "cpu": "server-x86"}).gpu
+    assert three.flops_per_s.float64 == pytest.approx(h200.flops_per_s.float64 * 3 / 7)
 
 
 def test_auto_profile_reads_the_local_device(monkeypatch, caplog):
@@ -302,13 +382,20 @@ def test_auto_profile_reads_the_local_device(monkeypatch, caplog):
     monkeypatch.setattr(config, "cupy_device_count", lambda: 4)
     spec = config.resolve_profile("auto", "cupy")
     assert spec["base"] == "a100" and spec["gpu"]["memory_bytes"] == 42_505_273_344
-    assert spec["gpu"]["count"] == 4
+    assert spec["gpu"]["count"] == 1  # a process drives one GPU
+    with dask.config.set({"eugo.gpus-per-process": "all"}):
+        assert config.resolve_profile("auto", "cupy")["gpu"]["count"] == 4
     assert config.resolve_profile("auto", "emulated") == "h200"
     assert config.resolve_profile("t4", "cupy") == "t4"
-    monkeypatch.setattr(config, "cupy_device_name", lambda: "NVIDIA B200")
+    monkeypatch.setattr(config, "cupy_device_name", lambda: "NVIDIA X999")
+    monkeypatch.setattr(config, "cupy_device_attributes", lambda: {"multiprocessors": 10})
     with caplog.at_level(logging.WARNING, logger="eugo_dask.config"):
-        assert config.resolve_profile("auto", "cupy")["base"] == "h200"
-    assert "no preset for the CUDA device 'NVIDIA B200'" in caplog.text and "eugo-dask calibrate" in caplog.text
+        assert config.resolve_profile("auto", "cupy")["base"] == "t4"
+    assert "no preset for the CUDA device 'NVIDIA X999'" in caplog.text and "eugo-dask calibrate" in caplog.text
+    monkeypatch.setattr(config, "cupy_device_attributes", lambda: {
+        "multiprocessors": 10, "clock_khz": 1_000_000, "compute_capability": (8, 6)})
+    gpu = config.resolve_profile("auto", "cupy")["gpu"]
+    assert gpu["flops_per_s"]["float32"] == pytest.approx(10 * 128 * 2 * 1e9)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -357,7 +444,7 @@ def test_presets_are_parsed_once_and_handed_out_as_copies(monkeypatch):
     first["gpu"]["name"] = "changed by a caller"
     first["link"]["h2d_bytes_per_s"] = 1.0
     again = profile_dict("h200")
-    assert again["gpu"]["name"] == "NVIDIA H200 SXM 141GB" and again["link"]["h2d_bytes_per_s"] == 2e10
+    assert again["gpu"]["name"] == "NVIDIA H200 SXM 141GB" and again["link"]["h2d_bytes_per_s"] == 8.3e9
     profile_dict({"base": "h200", "name": "mine"})
     assert len(parses) == 1
 

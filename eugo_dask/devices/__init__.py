@@ -20,6 +20,8 @@ The family, one concern a module (each imports only modules listed before it):
   (:class:`DeviceSettings`), :class:`DeviceDisabled`, :func:`map_arrays`, :class:`DeferringLock`.
 - :mod:`~eugo_dask.devices.accounting`: device bytes kept apart from host memory
   (:func:`device_nbytes`, :func:`install_device_accounting`).
+- :mod:`~eugo_dask.devices.copies`: the copy engine's host half (host memcpy split over
+  threads, result arrays from a bounded pool of pinned blocks), free of CuPy.
 - :mod:`~eugo_dask.devices.cuda`: the CuPy device, its staging buffers and the CuPy probe; the
   only module of eugo-dask that imports CuPy.
 - :mod:`~eugo_dask.devices.emulated`: the emulated device.
@@ -37,6 +39,7 @@ from eugo_dask.devices.base import DeferringLock, Device, DeviceDisabled, Device
 from eugo_dask.devices.clock import TaskClock
 from eugo_dask.devices.cuda import (
     CupyDevice,
+    cupy_device_attributes,
     cupy_device_count,
     cupy_device_memory,
     cupy_device_name,
@@ -77,6 +80,7 @@ __all__ = [
     "DeviceMetricsCollector",
     "DeviceSettings",
     "TaskClock",
+    "cupy_device_attributes",
     "cupy_device_count",
     "cupy_device_memory",
     "cupy_device_name",

@@ -1,13 +1,15 @@
 """Device bytes kept apart from host memory.
 
-A worker's spill buffer weighs values by their host bytes only (:func:`install_device_accounting`),
-so device results are not spilled to disk for the host's sake; :func:`device_nbytes` tells the
+A worker's spill buffer weighs values by their host bytes only and never evicts a device value
+to disk for the host's sake (:func:`install_device_accounting`); :func:`device_nbytes` tells the
 device bytes a value holds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 from eugo_dask.devices.base import _walk
@@ -15,6 +17,8 @@ from eugo_dask.devices.base import _walk
 #: Types whose instances hold device memory without ``__cuda_array_interface__`` (the
 #: emulated device registers its array type).
 DEVICE_ARRAY_TYPES: set[type] = set()
+
+_NO_KEY = object()
 
 
 def device_nbytes(value: Any) -> int:
@@ -34,15 +38,25 @@ def device_nbytes(value: Any) -> int:
 
 
 def install_device_accounting(worker: Any) -> bool:
-    """Make ``worker``'s spill buffer weigh values by their host bytes only.
+    """Make ``worker``'s spill buffer weigh values by their host bytes only, and evict only
+    values that hold no device memory.
 
     distributed weighs every stored value with ``sizeof``, which counts a CuPy array's device
     bytes; past the worker's memory target (60% of its memory limit) device results would be
     copied to the host and pickled to disk for the host's sake. Afterwards device bytes are
     left out of that weight (they are bounded by the device's pool limit instead) while
     ``sizeof``, which the scheduler also uses to price moving a key between workers, is
-    unchanged. Idempotent; returns False where the worker's store is no zict buffer (dask-cuda
-    brings its own device-aware store)."""
+    unchanged.
+
+    Weight alone does not keep them in memory: when *process* memory passes the spill threshold
+    the memory monitor calls ``evict()`` until it falls below target, and ``evict()`` takes the
+    least recently used value whatever it weighs. A device value evicted there frees no host
+    memory (it is copied back and pickled), so the loop went on until every device value was
+    on disk. Eviction now skips values holding device memory (:func:`_host_only_evict`), and
+    the buffer's ``evict()`` reports failure (-1, which ends the loop) when only they are left.
+
+    Idempotent; returns False where the worker's store is no zict buffer (dask-cuda brings its
+    own device-aware store)."""
     data: Any = getattr(worker, "data", None)
     fast: Any = getattr(data, "fast", None)
     if data is None or fast is None or not hasattr(fast, "weights") or not callable(getattr(fast, "weight", None)):
@@ -63,5 +77,42 @@ def install_device_accounting(worker: Any) -> bool:
             new = host_weight(key, fast.d[key])
             fast.total_weight += new - fast.weights[key]
             fast.weights[key] = new
+        fast.evict = _host_only_evict(fast, fast.evict)
+        if callable(getattr(data, "evict", None)):
+            data.evict = _evict_or_fail(data.evict)
         data._eugo_device_accounting = True
     return True
+
+
+class _OnlyDeviceValues(KeyError):
+    """Every value left in memory holds device memory: nothing to evict for the host's sake."""
+
+
+def _host_only_evict(fast: Any, evict: Callable[..., Any]) -> Callable[..., Any]:
+    """``fast.evict`` (zict's LRU) choosing, where no key is named, the least recently used value
+    that holds no device memory (heavy ones first, as zict does); a KeyError where there is
+    none, which zict's own eviction loop takes as "done"."""
+    lock = getattr(fast, "lock", None) or contextlib.nullcontext()
+
+    def host_only_evict(key: Any = _NO_KEY) -> Any:
+        if key is _NO_KEY:
+            with lock:
+                key = next((k for k in itertools.chain(fast.heavy, fast.order)
+                            if k in fast.d and not device_nbytes(fast.d[k])), _NO_KEY)
+            if key is _NO_KEY:
+                raise _OnlyDeviceValues("evict(): only device values are in memory")
+        return evict(key)
+
+    return host_only_evict
+
+
+def _evict_or_fail(evict: Callable[[], int]) -> Callable[[], int]:
+    """A spill buffer's ``evict()`` returning -1 (distributed: "could not evict", which ends the
+    memory monitor's loop) where only device values are in memory."""
+    def evict_or_fail() -> int:
+        try:
+            return evict()
+        except _OnlyDeviceValues:
+            return -1
+
+    return evict_or_fail

@@ -70,6 +70,17 @@ class DeviceSettings:
     staging_bytes
         Size of each of a thread's two pinned staging buffers; 0: copy straight from and to
         pageable memory.
+    copy_threads, copy_piece_bytes
+        Threads that split one host memcpy into or out of a staging buffer, each given at least
+        ``copy_piece_bytes`` (:class:`~eugo_dask.devices.copies.HostCopier`); 1: the task's
+        thread alone.
+    pinned_results_bytes
+        Pinned host memory held for results copied back (the device copies straight into it:
+        :class:`~eugo_dask.devices.copies.ResultPool`); 0: results are staged into new arrays.
+    gpus
+        Which CUDA devices a process drives: ``"one"`` (its current device, the first it
+        sees) or ``"all"`` it sees; always one under dask-cuda or RMM
+        (:meth:`eugo_dask.devices.CupyDevice.ordinals`).
     """
 
     memory_fraction: float | None = None
@@ -77,6 +88,10 @@ class DeviceSettings:
     fft_plan_cache_bytes: int | None = None
     idle_release_s: float | None = None
     staging_bytes: int = 8 * _MiB
+    copy_threads: int = 4
+    copy_piece_bytes: int = 1 * _MiB
+    pinned_results_bytes: int = 0
+    gpus: str = "one"
 
 
 class DeviceDisabled(RuntimeError):
@@ -159,8 +174,14 @@ class Device:
     # -- what a device implements ---------------------------------------------------------------
     @property
     def count(self) -> int:
-        """Devices of this kind this process uses (ordinals ``0 .. count-1``)."""
+        """Devices of this kind this process uses."""
         return 1
+
+    @property
+    def ordinals(self) -> tuple[int, ...]:
+        """The ordinals of the devices this process uses (``0 .. count-1`` unless a device
+        says otherwise: a CUDA process driving one GPU uses its current one)."""
+        return tuple(range(self.count))
 
     def is_device_array(self, value: object) -> bool:
         raise NotImplementedError
@@ -206,8 +227,9 @@ class Device:
     def _home(self) -> int:
         home = getattr(self._local, "home", None)
         if home is None:
+            ordinals = self.ordinals
             with self._lock:
-                home = self._next_home % self.count
+                home = ordinals[self._next_home % len(ordinals)]
                 self._next_home += 1
             self._local.home = home
         return home
@@ -217,15 +239,16 @@ class Device:
 
         The device holding most of their device-resident bytes (a chain stays on its device);
         else, inside a task scope, the scope's; else the one with the fewest tasks in flight,
-        this thread's own device among equals (worker threads spread over devices)."""
-        count = self.count
-        if count == 1:
-            return 0
+        this thread's own device among equals (worker threads spread over devices). Only the
+        devices this process uses (:attr:`ordinals`) are chosen: data on another is moved."""
+        ordinals = self.ordinals
+        if len(ordinals) == 1:
+            return ordinals[0]
         resident: Counter[int] = Counter()
 
         def visit(value: Any) -> None:
             ordinal = self.ordinal_of(value)
-            if ordinal is not None:
+            if ordinal is not None and ordinal in ordinals:
                 resident[ordinal] += int(getattr(value, "nbytes", 0)) + 1
 
         _walk(values, visit)
@@ -235,7 +258,7 @@ class Device:
         if clock is not None:
             return clock.ordinal
         home = self._home()
-        return min(range(count), key=lambda o: (self._in_flight[o], o != home, o))
+        return min(ordinals, key=lambda o: (self._in_flight[o], o != home, o))
 
     def gather(self, values: Any, ordinal: int) -> Any:
         """``values`` with every device array on another device moved to ``ordinal``."""

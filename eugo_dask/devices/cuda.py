@@ -4,6 +4,9 @@ for. This is the only module of eugo-dask that imports CuPy.
 - **copies**: through two pinned staging buffers per worker thread (:class:`_Staging`), reused,
   in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
   next, asynchronous on the task's stream inside a task scope and synchronised outside one.
+  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back
+  lands, where ``pinned_results_bytes`` allows, in a pinned block the device copies straight
+  into (:mod:`eugo_dask.devices.copies`).
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
   that run.
 - **honest detection** (:func:`probe_cupy`, :func:`cupy_unusable_reason`): a tiny kernel, a GEMM
@@ -15,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings, _MiB
+from eugo_dask.devices.copies import HostCopier, ResultPool
 from eugo_dask.devices.errors import (
     CTK_HINT,
     OUT_OF_MEMORY,
@@ -66,7 +72,8 @@ def _host_bytes(array: np.ndarray) -> np.ndarray:
 
 
 class CupyDevice(Device):
-    """CUDA devices through CuPy (every device visible to the process)."""
+    """CUDA devices through CuPy: the process's current device, or every device it sees where
+    ``gpus`` is ``"all"`` and no dask-cuda or RMM set the process up (:attr:`ordinals`)."""
 
     name = "cupy"
     #: Copies at most this large go straight from/to pageable memory (staging costs more).
@@ -75,17 +82,30 @@ class CupyDevice(Device):
     def __init__(self, cupy_module: Any, settings: DeviceSettings | None = None, *,
                  count: int | None = None) -> None:
         self.cupy = cupy_module
-        self._count = int(count if count is not None else cupy_module.cuda.runtime.getDeviceCount())
+        settings = settings or DeviceSettings()
+        if count is not None:
+            self._ordinals = tuple(range(int(count)))
+        else:
+            self._ordinals = _process_ordinals(cupy_module, settings.gpus, self._pool() is None)
+        self._count = len(self._ordinals)
         self._ready: set[int] = set()
         self._ready_lock = threading.Lock()
         self._fft_caches: dict[tuple[int, int], Any] = {}  # (thread ident, ordinal) -> PlanCache
         self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
         self._staging_total = 0
+        # never more copy threads than the machine has cores
+        self._copier = HostCopier(min(settings.copy_threads, os.cpu_count() or 1),
+                                  settings.copy_piece_bytes)
+        self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes, min_bytes=1)
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
     @property
     def count(self) -> int:
         return self._count
+
+    @property
+    def ordinals(self) -> tuple[int, ...]:
+        return self._ordinals
 
     def is_device_array(self, value: object) -> bool:
         return isinstance(value, self.cupy.ndarray)
@@ -95,7 +115,9 @@ class CupyDevice(Device):
 
     def _default_ordinal(self) -> int:
         # outside a task scope, where code that chose no device runs: CuPy's current device
-        return int(self.cupy.cuda.runtime.getDevice())
+        # where this process uses it, else its first
+        current = int(self.cupy.cuda.runtime.getDevice())
+        return current if current in self._ordinals else self._ordinals[0]
 
     # -- per-process and per-thread set-up ----------------------------------------------------
     def _pool(self) -> Any | None:
@@ -152,6 +174,26 @@ class CupyDevice(Device):
             weakref.finalize(staging, self._staging_lock.defer, self._forget_staging,
                              2 * self.settings.staging_bytes)
         return staging
+
+    def _pinned_block(self, nbytes: int) -> Any:
+        """A block of pinned host memory for a result (:class:`ResultPool`), portable."""
+        pinned = self.cupy.cuda.pinned_memory
+        return pinned.PinnedMemoryPointer(
+            pinned.PinnedMemory(nbytes, self.cupy.cuda.runtime.hostAllocPortable), 0)
+
+    def _host_result(self, shape: tuple[int, ...], dtype: Any, order: Literal["C", "F"]) -> np.ndarray:
+        """The host array a copy back lands in: for a staged copy, a pinned block from the
+        result pool (the device copies straight into it) where it has room and pinned memory
+        can be had, else a new array."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        out = None
+        if nbytes > self.direct_copy_bytes and self.settings.staging_bytes > 0:
+            try:
+                out = self._results.empty(shape, dtype, order)
+            except Exception as exc:  # no pinned memory left: stage into a new array
+                if self._classify(exc) != OUT_OF_MEMORY:
+                    raise
+        return np.empty(shape, dtype=dtype, order=order) if out is None else out
 
     def _forget_staging(self, nbytes: int) -> None:
         """A dead thread's buffers are gone (under the staging lock, :class:`DeferringLock`)."""
@@ -212,7 +254,7 @@ class CupyDevice(Device):
         for i, offset in enumerate(range(0, nbytes, chunk)):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)  # the previous copy out of this buffer has finished
-            np.copyto(staging.views[slot][:size], src[offset:offset + size])
+            self._copier.copy(staging.views[slot][:size], src[offset:offset + size])
             (dst + offset).copy_from_host_async(staging.memory[slot].ptr, size, stream)
             staging.events[slot] = stream.record()
 
@@ -225,13 +267,14 @@ class CupyDevice(Device):
                 array = cupy.ascontiguousarray(array)
             order: Literal["C", "F"] = (
                 "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
-            out = np.empty(array.shape, dtype=array.dtype, order=order)
+            out = self._host_result(array.shape, array.dtype, order)
             self._d2h(array.data, _host_bytes(out), stream)
         return out
 
     def _d2h(self, src: Any, dst: np.ndarray, stream: Any) -> None:
         nbytes, chunk = dst.size, self.settings.staging_bytes
-        if nbytes <= self.direct_copy_bytes or chunk <= 0:
+        if nbytes <= self.direct_copy_bytes or chunk <= 0 or self._results.owns(dst):
+            # pageable (small, or no staging) or pinned (a pool block): one DMA
             src.copy_to_host_async(dst.ctypes.data, nbytes, stream)
             stream.synchronize()
             return
@@ -250,7 +293,7 @@ class CupyDevice(Device):
         for i, offset in enumerate(offsets):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)
-            np.copyto(dst[offset:offset + size], staging.views[slot][:size])
+            self._copier.copy(dst[offset:offset + size], staging.views[slot][:size])
             if i + 2 < len(offsets):
                 issue(i + 2)
 
@@ -294,7 +337,7 @@ class CupyDevice(Device):
         with self._lock:
             caches = dict(self._fft_caches)
         ordinals = []
-        for ordinal in range(self._count):
+        for ordinal in self._ordinals:
             entry: dict[str, Any] = {"ordinal": ordinal,
                                      "tasks_in_flight": self._in_flight[ordinal]}
             if ordinal in self._ready and pool is not None:
@@ -309,7 +352,7 @@ class CupyDevice(Device):
         with self._staging_lock:
             pinned = self._staging_total
         return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
-                "pinned_bytes": pinned,
+                "pinned_bytes": pinned, "pinned_result_bytes": self._results.held_bytes(),
                 "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}
@@ -341,11 +384,41 @@ class CupyDevice(Device):
 
     # -- detection ----------------------------------------------------------------------------
     def probe(self) -> str | None:
-        for ordinal in range(self._count):
+        for ordinal in self._ordinals:
             reason = probe_cupy(self.cupy, ordinal)
             if reason is not None:
                 return f"CUDA device {ordinal}: {reason}"
         return None
+
+
+def _process_ordinals(cupy: Any, gpus: str, external_allocator: bool) -> tuple[int, ...]:
+    """The CUDA devices a process drives: its current one; with ``gpus`` ``"all"`` every one
+    it sees, unless dask-cuda or RMM set the process up for one (:func:`dask_cuda_reason`),
+    where the others are its sibling processes' GPUs."""
+    current = int(cupy.cuda.runtime.getDevice())
+    if gpus != "all":
+        return (current,)
+    reason = dask_cuda_reason(external_allocator)
+    if reason is not None:
+        logger.info("eugo: gpus-per-process is 'all' but this process drives one GPU: %s", reason)
+        return (current,)
+    return tuple(range(int(cupy.cuda.runtime.getDeviceCount())))
+
+
+def dask_cuda_reason(external_allocator: bool = False) -> str | None:
+    """Why this process looks like one of dask-cuda's (one process per GPU), or None: dask-cuda
+    is imported, an allocator other than CuPy's own pool is installed (RMM's pool lives on one
+    device), or ``CUDA_VISIBLE_DEVICES`` is rotated (dask-cuda lists each process's own GPU
+    first: ``2,3,0,1``)."""
+    if "dask_cuda" in sys.modules:
+        return "dask_cuda is imported (a dask-cuda worker drives one GPU per process)"
+    if external_allocator:
+        return "CuPy allocates through another allocator (RMM's pool is on one device)"
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if len(visible) > 1 and all(v.isdigit() for v in visible) and visible != sorted(visible, key=int):
+        return (f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} is rotated, as "
+                f"dask-cuda gives each worker process its own GPU first")
+    return None
 
 
 def _after_legacy_stream(cupy: Any, stream: Any) -> None:
@@ -459,3 +532,33 @@ def cupy_device_memory(ordinal: int = 0) -> int | None:
     if not cupy_device_count():
         return None
     return int(import_cupy().cuda.runtime.getDeviceProperties(ordinal)["totalGlobalMem"])
+
+
+#: CUDA device attributes an unknown model is priced from: our name -> (cudaDeviceProp field,
+#: cudaDeviceAttr number). CUDA 13 dropped the clock fields from cudaDeviceProp; the attributes
+#: remain.
+_ATTRIBUTES = {"multiprocessors": ("multiProcessorCount", 16), "clock_khz": ("clockRate", 13),
+               "memory_clock_khz": ("memoryClockRate", 36), "memory_bus_bits": ("memoryBusWidth", 37),
+               "major": ("major", 75), "minor": ("minor", 76)}
+
+
+def cupy_device_attributes(ordinal: int = 0) -> dict[str, Any]:
+    """The attributes of CUDA device ``ordinal`` that price an unknown model
+    (:func:`eugo_dask.profile.gpu_figures_from_attributes`): SMs, clock, memory clock and bus
+    width, compute capability; those CUDA does not give are left out (empty without a device)."""
+    if not cupy_device_count():
+        return {}
+    runtime = import_cupy().cuda.runtime
+    props = runtime.getDeviceProperties(ordinal)
+    found: dict[str, Any] = {}
+    for ours, (field, attribute) in _ATTRIBUTES.items():
+        value = props.get(field)
+        if not value:
+            with contextlib.suppress(Exception):
+                value = runtime.deviceGetAttribute(attribute, ordinal)
+        if value:
+            found[ours] = int(value)
+    if "major" in found and "minor" in found:
+        found["compute_capability"] = (found.pop("major"), found.pop("minor"))
+    return found
+
