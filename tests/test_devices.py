@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import dask
 import numpy as np
 import pytest
@@ -413,7 +415,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", module)
     monkeypatch.setitem(sys.modules, "cupy.fft", module.fft)
     monkeypatch.setitem(sys.modules, "cupy.fft.config", module.fft.config)
-    fake_cupy.pool.limit = fake_cupy.pool.used = 0
+    fake_cupy.reset()
     reset_device_stats()
     dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
                                             fft_plan_cache_bytes=1 << 20))
@@ -617,3 +619,116 @@ def test_staging_buffers_freed_by_the_collector_under_a_device_lock_do_not_deadl
     # the same shape on the CuPy path: a thread's staging buffers outlive it in a reference
     # cycle (an error kept by the frame that caught it, whose traceback holds the copy's frame)
     _in_a_fresh_process(_free_staging_buffers_under_a_device_lock)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stand-in CuPy itself: CUDA's ordering rules, which the tests above rely on
+# ---------------------------------------------------------------------------------------------
+def test_fake_cupy_queues_kernels_until_something_waits(fake):
+    _, fake_cupy = fake
+    x = fake_cupy.empty((4,))
+    x.peek()[...] = 1.0
+    y = x * 2  # queued on the legacy default stream
+    assert np.isnan(y.peek()).all()  # a fresh block: NaN until its kernel runs
+    fake_cupy.Stream.null.synchronize()
+    np.testing.assert_array_equal(y.peek(), 2.0)
+    # a non-blocking stream has no ordering with the legacy stream; an event gives it one
+    stream = fake_cupy.Stream(non_blocking=True)
+    z = x + 1  # legacy stream
+    with stream:
+        w = x * 3
+    stream.synchronize()
+    assert np.isnan(z.peek()).all() and (w.peek() == 3.0).all()
+    stream.wait_event(fake_cupy.Stream.null.record())
+    with stream:
+        v = x - 1
+    stream.synchronize()  # runs the legacy stream's kernel first, through the event
+    assert (z.peek() == 2.0).all() and (v.peek() == 0.0).all()
+
+
+def test_fake_cupy_has_a_current_stream_per_device_and_refuses_0d_numpy(fake):
+    _, fake_cupy = fake
+    with fake_cupy.Device(1):
+        stream = fake_cupy.Stream(non_blocking=True)
+        with stream:
+            assert fake_cupy.get_current_stream() is stream
+            assert fake_cupy.get_current_stream(0) is fake_cupy.Stream.null  # device 0's own
+    with pytest.raises(RuntimeError, match="does not match with the current device"):
+        with stream:
+            pass
+    x = fake_cupy.empty((3,))
+    with pytest.raises(TypeError, match="Unsupported type <class 'numpy.ndarray'>"):
+        x + np.array(1.0)
+    assert isinstance(x > np.array(1.0), fake_cupy.ndarray)  # comparisons take a 0-d array's value, as CuPy's __array_ufunc__ does
+    assert isinstance(x + np.float64(1.0), fake_cupy.ndarray)  # NumPy scalars are fine
+
+
+def test_fake_cupy_pool_reuses_a_block_only_on_the_stream_that_freed_it(fake):
+    _, fake_cupy = fake
+    other = fake_cupy.Stream(non_blocking=True)
+    x = fake_cupy.empty((1000,))
+    x.peek()[...] = 9.0
+    a = fake_cupy.empty((1000,))
+    a.peek()[...] = 5.0
+    freed = a.data.ptr
+    with other:
+        copy = fake_cupy.empty((1000,))
+        copy.data.copy_from_device_async(a.data, a.nbytes)  # reads a on another stream: queued
+    del a  # back to the legacy stream's free list, though a copy on `other` still reads it
+    with other:
+        assert fake_cupy.empty((1000,)).data.ptr != freed  # not `other`'s to reuse
+    b = x * 1  # a kernel on the legacy stream, in a's block
+    assert b.data.ptr == freed
+    fake_cupy.Stream.null.synchronize()  # it runs first...
+    other.synchronize()
+    np.testing.assert_array_equal(copy.peek(), 9.0)  # ...and the unordered copy reads its values
+
+
+# ---------------------------------------------------------------------------------------------
+# CupyDevice under those rules: copies back ordered after the kernels they read, waits that sleep
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_a_strided_view_copied_back_outside_a_task_follows_its_kernel(fake, path):
+    # issue 31: the view was made contiguous on the legacy default stream and copied on eugo's
+    # non-blocking stream with no ordering between them: all 200,000 values came back NaN
+    dev, fake_cupy = fake
+    if path == "direct":
+        dev.direct_copy_bytes = 1 << 30
+    host = np.arange(1000 * 400, dtype=np.float64).reshape(1000, 400)
+    x = dev.to_device(host)
+    doubled = x * 2  # a kernel queued on the legacy default stream (as code outside eugo runs)
+    view = doubled[::2]  # 1000x400 -> every other row: not contiguous
+    assert not (view.flags.c_contiguous or view.flags.f_contiguous)
+    np.testing.assert_array_equal(dev.to_host(view), host[::2] * 2)
+    # the same inside a task scope, and a transposed 3-D view
+    cube = dev.to_device(np.arange(24.0).reshape(2, 3, 4))
+    with dev.task(0):
+        back = dev.to_host((cube + 1).transpose(2, 0, 1)[::2])
+    np.testing.assert_array_equal(back, (np.arange(24.0).reshape(2, 3, 4) + 1).transpose(2, 0, 1)[::2])
+
+
+def test_a_strided_view_moved_to_another_device_follows_its_kernel(fake):
+    dev, fake_cupy = fake
+    host = np.arange(200 * 300, dtype=np.float64).reshape(200, 300)
+    x = dev.to_device(host, ordinal=1)
+    with fake_cupy.Device(1):
+        view = (x * 3)[:, ::3]  # queued on device 1's legacy stream
+    moved = dev.move(view, 0)
+    np.testing.assert_array_equal(dev.to_host(moved), host[:, ::3] * 3)
+
+
+def test_every_wait_for_the_device_sleeps_on_a_blocking_sync_event(fake):
+    # issue 31: waits spun a CPU core (default events, stream synchronisation); the events
+    # eugo waits on are made with cudaEventBlockingSync
+    dev, fake_cupy = fake
+    big, small = np.arange(50_000.0), np.arange(100.0)  # staged (7 chunks) and direct
+    with dev.task(0):
+        a = dev.to_device(big)
+        b = dev.to_device(small)
+        back = dev.to_host(a * 2), dev.to_host(b)
+    outside = dev.to_host(dev.to_device(big)[::2]), dev.to_host(dev.to_device(small))
+    dev.move(dev.to_device(big, ordinal=1)[::5], 0)
+    np.testing.assert_array_equal(back[0], big * 2)
+    np.testing.assert_array_equal(outside[0], big[::2])
+    assert len(fake_cupy.waits) > 10
+    assert set(fake_cupy.waits) == {("event", True)}, Counter(fake_cupy.waits)

@@ -166,7 +166,7 @@ class CupyDevice(Device):
             _after_legacy_stream(cupy, stream)
             with stream:
                 def synchronise() -> Any:
-                    end = stream.record()
+                    end = stream.record(cupy.cuda.Event(block=True))  # timed, and sleeps
                     end.synchronize()
                     return end
 
@@ -176,21 +176,28 @@ class CupyDevice(Device):
                     # drain the stream before the fallback reads anything; a sticky error
                     # raised here is classified with the original one
                     with contextlib.suppress(Exception):
-                        stream.synchronize()
+                        _BlockingWaits(cupy, stream).synchronize()
                     raise
 
     @contextlib.contextmanager
     def _copy_stream(self, ordinal: int, in_task: bool) -> Iterator[Any]:
-        """The stream a copy runs on: the task's, or this thread's, synchronised after."""
+        """The stream a copy runs on: the task's, or outside a task this thread's own, made
+        current for the copy (the arrays it allocates and the kernels it runs, such as making
+        a strided view contiguous, are queued on it, ahead of the copy, as CuPy's
+        ``ndarray.get()`` does inside ``with stream:``) and waited for at the end. Its waits
+        sleep (:class:`_BlockingWaits`)."""
+        cupy = self.cupy
         if in_task:
-            yield self.cupy.cuda.get_current_stream()
+            yield _BlockingWaits(cupy, cupy.cuda.get_current_stream())
             return
         self._prepare(ordinal)
-        with self.cupy.cuda.Device(ordinal):
+        with cupy.cuda.Device(ordinal):
             stream = self._stream(ordinal)
-            _after_legacy_stream(self.cupy, stream)
-            yield stream
-            stream.synchronize()
+            _after_legacy_stream(cupy, stream)
+            with stream:
+                waits = _BlockingWaits(cupy, stream)
+                yield waits
+                waits.synchronize()
 
     # -- copies -------------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray, ordinal: int, in_task: bool) -> Any:
@@ -258,13 +265,17 @@ class CupyDevice(Device):
         cupy = self.cupy
         clock = self.current_task()
         with self._copy_stream(ordinal, clock is not None and clock.ordinal == ordinal) as stream:
-            if not (array.flags.c_contiguous or array.flags.f_contiguous):
-                with cupy.cuda.Device(array.device.id):
+            made = not (array.flags.c_contiguous or array.flags.f_contiguous)
+            with cupy.cuda.Device(array.device.id):
+                if made:
                     array = cupy.ascontiguousarray(array)
-                    cupy.cuda.get_current_stream().synchronize()
+                # the copy follows the work queued on the source device (that kernel included)
+                stream.wait_event(cupy.cuda.get_current_stream().record())
             order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
             out = cupy.empty(array.shape, dtype=array.dtype, order=order)
             out.data.copy_from_device_async(array.data, array.nbytes, stream)
+            if made:  # the contiguous copy goes back to its stream's pool when this returns
+                stream.synchronize()
         return out
 
     # -- errors -------------------------------------------------------------------------------
@@ -357,6 +368,31 @@ def _after_legacy_stream(cupy: Any, stream: Any) -> None:
     current = cupy.cuda.get_current_stream()
     if current.ptr not in (null.ptr, stream.ptr):  # a per-thread default or user stream
         stream.wait_event(current.record())
+
+
+class _BlockingWaits:
+    """A stream as eugo's copies see it: every event recorded on it is created with
+    ``cudaEventBlockingSync`` (and without timing), and synchronising it waits for such an
+    event, so a thread waiting for the device sleeps instead of spinning a CPU core (CUDA's
+    default events and stream synchronisation spin under its default device flags). The copy
+    functions take it for the stream (``ptr`` is the stream's)."""
+
+    __slots__ = ("_cupy", "stream", "ptr", "device_id")
+
+    def __init__(self, cupy: Any, stream: Any) -> None:
+        self._cupy, self.stream = cupy, stream
+        self.ptr, self.device_id = stream.ptr, stream.device_id
+
+    def record(self, event: Any = None) -> Any:
+        if event is None:
+            event = self._cupy.cuda.Event(block=True, disable_timing=True)
+        return self.stream.record(event)
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def wait_event(self, event: Any) -> None:
+        self.stream.wait_event(event)
 
 
 def _elapsed_seconds(cupy: Any) -> Callable[[Any, Any], float]:
