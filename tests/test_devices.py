@@ -238,6 +238,42 @@ def test_idle_release_gives_pools_back():
     assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 0
 
 
+def _held(dev):
+    entry = dev.memory_stats()["ordinals"][0]
+    return entry["pool_held_bytes"] - entry["pool_used_bytes"]
+
+
+def test_idle_release_waits_for_a_copy_outside_a_task():
+    # issue 31: the releaser counted only task scopes, so a copy running outside one (a
+    # to-host task, a transfer to a peer) looked idle and had the pool freed under it
+    dev = EmulatedDevice(10**6, settings=DeviceSettings(idle_release_s=3600))  # ticked by hand
+    with dev.task():
+        x = dev.to_device(np.ones(1000))
+        garbage = dev.to_device(np.ones(500))
+    del garbage
+    assert _held(dev) == 4000
+    started, finish = threading.Event(), threading.Event()
+    copy_back = dev._to_host
+
+    def slow_copy(array):
+        started.set()
+        assert finish.wait(10)
+        return copy_back(array)
+
+    dev._to_host = slow_copy
+    copier = threading.Thread(target=dev.to_host, args=(x,))
+    copier.start()
+    try:
+        assert started.wait(10)
+        dev._release_if_idle(0.0)
+        assert _held(dev) == 4000  # the copy runs: not idle
+    finally:
+        finish.set()
+        copier.join(10)
+    dev._release_if_idle(0.0)
+    assert _held(dev) == 0  # idle now
+
+
 @pytest.mark.parametrize("fault, kind", [
     ("out-of-memory", OUT_OF_MEMORY),
     ("rmm-out-of-memory", OUT_OF_MEMORY),  # RMM raises a plain MemoryError
@@ -732,3 +768,33 @@ def test_every_wait_for_the_device_sleeps_on_a_blocking_sync_event(fake):
     np.testing.assert_array_equal(outside[0], big[::2])
     assert len(fake_cupy.waits) > 10
     assert set(fake_cupy.waits) == {("event", True)}, Counter(fake_cupy.waits)
+
+
+def test_idle_release_leaves_live_threads_fft_plans_to_them(fake):
+    # issue 31: the idle release cleared every thread's cuFFT plan cache from its own thread;
+    # CuPy's caches are not safe to clear from another thread
+    dev, fake_cupy = fake
+    ready, leave = threading.Event(), threading.Event()
+    caches = {}
+
+    def worker_thread(name):
+        with dev.task(0):
+            caches[name] = fake_cupy.get_plan_cache()
+        caches[name].plans = 2
+        if name == "live":
+            ready.set()
+            assert leave.wait(10)
+
+    finished = threading.Thread(target=worker_thread, args=("finished",))
+    finished.start()
+    finished.join(10)
+    live = threading.Thread(target=worker_thread, args=("live",))
+    live.start()
+    try:
+        assert ready.wait(10)
+        dev.release_memory(idle=True)
+        assert caches["live"].plans == 2 and caches["live"].cleared_by == []
+        assert caches["finished"].plans == 0  # its thread is gone: nobody else can use it
+    finally:
+        leave.set()
+        live.join(10)

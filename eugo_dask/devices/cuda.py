@@ -333,7 +333,7 @@ class CupyDevice(Device):
             caches = dict(self._fft_caches)
         for key, cache in caches.items():
             thread, _ = key
-            if idle or thread == me or thread not in alive:
+            if thread == me or thread not in alive:  # never a live thread's (not thread-safe)
                 cache.clear()
             if thread not in alive:
                 with self._lock:
