@@ -173,6 +173,20 @@ def _wait_for_restart() -> None:
         _closed.wait(RESTART_WAIT_S)
 
 
+def _forget_cuda_devices() -> None:
+    """In a child process made by ``fork``: the parent's CuPy device (its streams, pools and
+    CUDA context) is not the child's; the child makes its own after probing again
+    (:func:`eugo_dask.devices.cuda.cupy_unusable_reason`), or uses none. The lock may have been
+    held by another thread of the parent, which the child does not have."""
+    global _devices_lock
+    _devices_lock = threading.Lock()
+    for key in [k for k in _devices if k[0] == "cupy"]:
+        del _devices[key]
+
+
+os.register_at_fork(after_in_child=_forget_cuda_devices)
+
+
 def device_started(name: str) -> bool:
     """Whether tasks have run on the device ``name`` in this process (it is made when the first
     one asks for it)."""

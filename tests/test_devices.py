@@ -131,6 +131,17 @@ from eugo_dask.devices import (  # noqa: E402
 from eugo_dask.devices.emulated import EmulatedCudaError  # noqa: E402
 
 
+def test_emulated_ufuncs_refuse_0d_numpy_arrays_as_cupy_does(device):
+    # CuPy's _kernel._preprocess_arg wraps Python and NumPy scalars only: a 0-d NumPy array in an
+    # elementwise call raises TypeError, except in comparisons (its __array_ufunc__ takes the value)
+    x = device.to_device(np.arange(3.0))
+    for call in (lambda: x + np.array(1.0), lambda: np.array(2.0) * x, lambda: np.maximum(x, np.array(1.0))):
+        with pytest.raises(TypeError, match=r"Unsupported type <class 'numpy.ndarray'>.*0-d"):
+            call()
+    np.testing.assert_array_equal((x > np.array(0.5)).get(), [False, True, True])
+    np.testing.assert_array_equal((x + np.float64(1.0)).get(), [1.0, 2.0, 3.0])  # NumPy scalars
+
+
 @pytest.fixture
 def three():
     reset_device_stats()
@@ -798,3 +809,60 @@ def test_idle_release_leaves_live_threads_fft_plans_to_them(fake):
     finally:
         leave.set()
         live.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# A child made by fork probes again
+# ---------------------------------------------------------------------------------------------
+def _in_a_forked_child(work, timeout=30):
+    """Run ``work()`` in a child made by ``os.fork``; what it returns (a str) or raises."""
+    import os
+    import select
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on
+        try:
+            text = f"ok {work()}"
+        except BaseException as exc:
+            text = f"raised {type(exc).__name__}: {exc}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        assert ready, f"the forked child said nothing in {timeout} s"
+        return os.read(read, 1 << 16).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("parent", ["probed", "used its device"])
+def test_a_forked_child_probes_again_and_falls_back_to_the_cpu(fake, monkeypatch, parent):
+    # issue 31: the child trusted the parent's probe and failed inside get_device (CUDA, used by
+    # the parent, fails in a forked child), or took the parent's device and failed in its tasks
+    from eugo_dask.devices import cuda
+    from eugo_dask.runtime import DeviceCall, usable_device, why_no_device
+
+    monkeypatch.setattr(cuda, "probe_cupy", lambda cupy, ordinal=0: None)  # the fake has no NVRTC
+    monkeypatch.setattr("eugo_dask.runtime._devices", {})
+    cuda.cupy_unusable_reason.cache_clear()
+    cuda.cupy_device_count.cache_clear()
+
+    def child():
+        assert usable_device("cupy") is None
+        assert DeviceCall(np.add, "cupy", "eugo-gpu-add")(np.ones(3), 1).tolist() == [2.0, 2.0, 2.0]
+        return why_no_device("cupy")
+
+    try:
+        with dask.config.set({"eugo.device": "cupy"}):
+            assert cuda.cupy_device_count() == 2  # the parent's probe passed
+            if parent == "used its device":
+                assert usable_device("cupy") is not None
+            said = _in_a_forked_child(child)
+    finally:
+        cuda.cupy_unusable_reason.cache_clear()
+        cuda.cupy_device_count.cache_clear()
+    assert said == ("ok no CUDA device CuPy can use on this worker (CuPy is installed but finds "
+                    "no usable CUDA device (cudaError 3))"), said

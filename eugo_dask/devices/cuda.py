@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -479,6 +480,17 @@ def cupy_device_count() -> int:
     if cupy_unusable_reason() is not None:
         return 0
     return int(import_cupy().cuda.runtime.getDeviceCount())
+
+
+def _forget_the_probe() -> None:
+    """In a child process made by ``fork``: the parent's probe says nothing about the child, in
+    which CUDA, once initialised by the parent, fails (``cudaErrorInitializationError``). The
+    child probes again on first use, and falls back to the CPU where it cannot use a device."""
+    cupy_unusable_reason.cache_clear()
+    cupy_device_count.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_probe)
 
 
 def cupy_device_name(ordinal: int = 0) -> str | None:
