@@ -5,7 +5,12 @@ for. This is the only module of eugo-dask that imports CuPy.
   in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
   next, asynchronous on the task's stream inside a task scope and synchronised outside one.
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
-  that run.
+  that run. Outside a task a copy runs on this thread's own stream, made current for it, so
+  what it queues first (a strided view made contiguous) is ordered ahead of it.
+- **waits that sleep** (:class:`_BlockingWaits`): every wait for the device is on an event made
+  with ``cudaEventBlockingSync``; CUDA's default events and stream synchronisation spin a core.
+- **after fork** the child forgets the parent's probe (:func:`_forget_the_probe`) and probes
+  again: CUDA initialised by a parent fails in its forked child.
 - **honest detection** (:func:`probe_cupy`, :func:`cupy_unusable_reason`): a tiny kernel, a GEMM
   and an FFT once per process before ``auto`` trusts a device, and the reason when it cannot.
 """
