@@ -147,7 +147,12 @@ class CupyDevice(Device):
             if self.settings.fft_plan_cache_bytes is not None:
                 cache.set_memsize(self.settings.fft_plan_cache_bytes)
         with self._lock:
+            # an entry under this thread's ident is a finished thread's (idents are reused):
+            # its plans are nobody's now
+            old = self._fft_caches.get((threading.get_ident(), ordinal))
             self._fft_caches[(threading.get_ident(), ordinal)] = cache
+        if old is not None and old is not cache:
+            old.clear()
 
     def _staging(self) -> _Staging:
         staging = getattr(self._local, "staging", None)
