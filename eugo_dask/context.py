@@ -16,7 +16,7 @@ import functools
 import logging
 import pickle
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dask
@@ -83,6 +83,28 @@ def current_worker() -> Any:
         return module.get_worker()
     except ValueError:  # not inside a distributed worker
         return None
+
+
+def running_workers() -> list[Any]:
+    """The distributed workers running (or paused) in this process."""
+    module = sys.modules.get("distributed.worker")
+    if module is None:
+        return []
+    return [w for w in list(module.Worker._instances) if w.status.name in ("running", "paused")]
+
+
+def close_worker(worker: Any, reason: str, closed: Callable[[], None]) -> None:
+    """Close ``worker`` from any thread, without its nanny, as distributed closes a worker that
+    failed hard (``fail_hard``): a nanny then starts a fresh worker process and the scheduler
+    recomputes the keys the worker held. ``closed`` is called once the close has ended (or
+    failed)."""
+    async def close() -> None:
+        try:
+            await worker.close(nanny=False, executor_wait=False, reason=reason)
+        finally:
+            closed()
+
+    worker.loop.add_callback(close)
 
 
 class _NoMeter:

@@ -50,8 +50,9 @@ from eugo_dask.config import (
     emulated_memory_limit,
     process_device,
 )
-from eugo_dask.context import context_meter, current_worker
+from eugo_dask.context import close_worker, context_meter, current_worker, running_schedulers, running_workers
 from eugo_dask.devices import (
+    STICKY,
     CupyDevice,
     Device,
     DeviceSettings,
@@ -122,7 +123,68 @@ def get_device(name: str) -> Device | None:
         # eugo's outlives a worker (a worker without the plugin keeps its pools, as CuPy does)
         install_device_accounting(worker)
         device.idle_release_externally()
+        device.on_memory_lost(_restart_workers)
     return device
+
+
+#: Set while this process's workers close because a sticky error lost the device's memory;
+#: ``_closed`` once they have.
+_restarting = threading.Event()
+_closed = threading.Event()
+#: How long a task that reads lost device memory waits for its worker to close.
+RESTART_WAIT_S = 60.0
+
+
+def _restart_workers(reason: str) -> None:
+    """A sticky CUDA error lost the device memory of this process: its workers' device keys
+    are gone, and CUDA stays broken in this process. Close every worker of this process (not
+    its nanny): the nanny starts a fresh process, with a fresh CUDA context, and the scheduler
+    recomputes the lost keys where they are needed. Beside a scheduler (an in-process cluster)
+    nothing would start the worker again: it stays, with the device off (its GPU tasks run
+    their CPU path), and a task that reads a lost key fails with :class:`DeviceDataLost`."""
+    workers = running_workers()
+    if not workers:
+        return
+    if running_schedulers():
+        logger.error("eugo: %s lost this process's device memory; a worker beside its scheduler "
+                     "is not restarted: tasks that read lost device keys fail", reason)
+        return
+    if _restarting.is_set():
+        return
+    _restarting.set()
+    pending = [len(workers)]
+
+    def closed() -> None:
+        pending[0] -= 1
+        if pending[0] <= 0:
+            _closed.set()
+
+    for worker in workers:
+        logger.error("eugo: %s lost the device memory of worker %s: closing it, so that its "
+                     "nanny starts it again and the scheduler recomputes its keys", reason,
+                     worker.address)
+        close_worker(worker, f"eugo: device memory lost ({reason})"[:MAX_EVENT_TEXT], closed)
+
+
+def _wait_for_restart() -> None:
+    """A task that read lost device memory while its worker closes for it waits for the close
+    (bounded): the scheduler then reschedules the task, rather than recording it as failed."""
+    if _restarting.is_set():
+        _closed.wait(RESTART_WAIT_S)
+
+
+def _forget_cuda_devices() -> None:
+    """In a child process made by ``fork``: the parent's CuPy device (its streams, pools and
+    CUDA context) is not the child's; the child makes its own after probing again
+    (:func:`eugo_dask.devices.cuda.cupy_unusable_reason`), or uses none. The lock may have been
+    held by another thread of the parent, which the child does not have."""
+    global _devices_lock
+    _devices_lock = threading.Lock()
+    for key in [k for k in _devices if k[0] == "cupy"]:
+        del _devices[key]
+
+
+os.register_at_fork(after_in_child=_forget_cuda_devices)
 
 
 def device_started(name: str) -> bool:
@@ -409,7 +471,12 @@ def _to_host(value: Any) -> Any:
     device = _device_of(value)
     if device is None:
         return value
-    return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+    try:
+        return _metered_copy("eugo-d2h", device.to_host, value, value.nbytes)
+    except Exception as exc:
+        if device.note_error(exc) == STICKY:  # the value is lost with the device's memory
+            _wait_for_restart()
+        raise
 
 
 def host_values(values: dict[Any, Any]) -> dict[Any, Any]:

@@ -25,9 +25,12 @@ The scheduler plugin installs :class:`EugoWorkerPlugin` on every worker, present
   runs read the client's settings as they are when they run (``dask.config.set`` around a
   computation, made after the cluster started), so nothing is checked or reported at its start.
   Its GPU tasks that find no device say so when they run (their fallbacks' reasons);
-- the worker's event loop gives idle device memory back (``eugo.device-idle-release``): pools
-  and FFT plan caches of a device no task used for that long are released, from a periodic
-  callback that stops with the worker (no thread of eugo's outlives it).
+- the worker gives idle device memory back (``eugo.device-idle-release``): the pools of a
+  device that no task and no copy used for that long are released, in a thread started by a
+  periodic callback of its event loop (never on the loop itself: freeing device memory waits
+  for the device), which stops with the worker (no thread of eugo's outlives it). Cached FFT
+  plans stay with the threads that made them (CuPy's plan caches are not safe to clear from
+  another thread); a finished thread's are released.
 
 Reports go to the scheduler on the worker's own stream (:data:`REPORT_OP`), where the scheduler
 knows which worker sent them: an event on the ``eugo`` topic names its worker in a field anyone
@@ -142,9 +145,16 @@ class EugoWorkerPlugin(WorkerPlugin):
             return
         if idle_s is None or "eugo-idle-release" in worker.periodic_callbacks:
             return
-        callback = PeriodicCallback(release_idle_devices, max(idle_s / 4, 0.01) * 1000)
+        callback = PeriodicCallback(_release_idle_devices_off_the_loop, max(idle_s / 4, 0.01) * 1000)
         worker.periodic_callbacks["eugo-idle-release"] = callback  # stopped when the worker closes
         callback.start()
+
+
+async def _release_idle_devices_off_the_loop() -> None:
+    """The idle release in a thread of its own: it frees pool blocks (``cudaFree`` waits for
+    the whole device) and must not stall the event loop. The periodic callback awaits it, so
+    one runs at a time."""
+    await asyncio.to_thread(release_idle_devices)
 
 
 def install_receive_fallback() -> bool:

@@ -11,6 +11,9 @@ measured and appends one JSON record to ``--json`` (the script's ``results.jsonl
   into new arrays or copied into pinned blocks from the result pool) against raw pinned DMA,
   1 MiB to 1 GiB both ways, as rates and ratios, and whether chunks of 16 MiB and more reach
   0.8 of the DMA rate;
+- ``waits``: a slow kernel ahead of a copy back outside a task (a strided view, staged and
+  direct: values wrong), and the thread CPU time while a task scope and a copy back wait for a
+  0.5 s kernel (blocking-sync events: the thread sleeps);
 - ``timing``: what an unsynchronised timer sees (launch) against the device's time (CUDA events
   in a task scope) for a GEMM, an elementwise chain and an FFT, and what the runtime's
   ``DeviceCall`` returns after;
@@ -288,6 +291,65 @@ def check_timing() -> dict[str, Any]:
     return out
 
 
+_SLOW_DOUBLE = r"""
+extern "C" __global__ void eugo_check_slow_double(const double* x, double* y, long long n,
+                                                  long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        y[i] = 2 * x[i];
+}
+"""
+
+
+def check_waits() -> dict[str, Any]:
+    """A slow kernel ahead of a copy back outside a task (a strided view, staged and direct):
+    wrong values; and the thread CPU time while a task scope, and a copy back, wait for a 0.5 s
+    kernel (blocking-sync events: a small fraction of the wait)."""
+    cupy = gpu()
+    kernel = cupy.RawKernel(_SLOW_DOUBLE, "eugo_check_slow_double")
+    rate = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1000
+
+    def slow_double(x: Any, seconds: float) -> Any:
+        y = cupy.empty_like(x)
+        kernel((64,), (256,), (x, y, np.int64(x.size), np.int64(seconds * rate)))
+        return y
+
+    out: dict[str, Any] = {}
+    host = np.random.default_rng(1).random((1000, 400))
+    for path, direct_bytes in (("staged", CupyDevice.direct_copy_bytes), ("direct", 1 << 30)):
+        dev = CupyDevice(cupy, DeviceSettings(staging_bytes=1 * MiB))
+        dev.direct_copy_bytes = direct_bytes
+        x = cupy.asarray(host)
+        cupy.cuda.get_current_stream().synchronize()
+        back = dev.to_host(slow_double(x, 0.3)[::2])
+        wrong = int(np.count_nonzero(back != host[::2] * 2))
+        out[f"slow kernel, x[::2] copied back outside a task ({path})"] = {"wrong_values": wrong,
+                                                                          "values": back.size}
+        print(f"slow kernel ahead of a copy back of x[::2] outside a task, {path}: {wrong} of "
+              f"{back.size} values wrong", flush=True)
+    dev = CupyDevice(cupy, DeviceSettings())
+    x = cupy.ones(1 << 20)
+    cupy.cuda.get_current_stream().synchronize()
+    for where in ("task scope", "copy back outside a task"):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if where == "task scope":
+            with dev.task(0):
+                slow_double(x, 0.5)
+        else:
+            dev.to_host(slow_double(x, 0.5))
+        cpu_s, wall_s = time.thread_time() - cpu, time.perf_counter() - wall
+        out[f"thread CPU while a {where} waits"] = {"cpu_s": cpu_s, "wall_s": wall_s,
+                                                    "cpu_fraction": cpu_s / wall_s}
+        print(f"thread CPU while a {where} waits for a 0.5 s kernel: {cpu_s * 1e3:.1f} ms in "
+              f"{wall_s * 1e3:.1f} ms ({cpu_s / wall_s:.1%})", flush=True)
+    bad = [k for k, v in out.items() if v.get("wrong_values") or v.get("cpu_fraction", 0) > 0.25]
+    if bad:
+        raise AssertionError(f"waits: {bad}")
+    return out
+
+
 def _memory_run(cupy: Any, seconds: float, device: CupyDevice | None) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     hosts = [rng.random(int(n), dtype=np.float32) for n in rng.integers(1 << 18, 1 << 23, 24)]
@@ -519,6 +581,7 @@ def check_distributed() -> dict[str, Any]:
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": check_env, "copies": check_copies, "engine": check_engine, "timing": check_timing, "memory": check_memory,
     "threads": check_threads, "throughput": check_throughput, "distributed": check_distributed,
+    "waits": check_waits,
 }
 
 

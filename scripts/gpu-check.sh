@@ -72,6 +72,7 @@ step env 20 bash -c 'nvidia-smi || echo "nvidia-smi: not here"; python3 scripts/
 step copies 45 $checks copies --json "$results"
 step engine 50 $checks engine --json "$results"
 step timing 25 $checks timing --json "$results"
+step waits 20 $checks waits --json "$results"
 step pytest-gpu 150 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rs
 step memory 50 $checks memory --seconds 18 --json "$results"
 step threads 20 $checks threads --json "$results"

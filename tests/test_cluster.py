@@ -158,6 +158,47 @@ def gpu_run_specs(dask_scheduler):
             if (ts := dask_scheduler.tasks.get(k)) is not None}
 
 
+def _inject_a_sticky_fault():
+    """In the GPU worker: its emulated device fails as CUDA after an illegal address, at the
+    next task's synchronisation, and stays broken (every later call raises again)."""
+    import os
+
+    from eugo_dask.runtime import get_device
+
+    get_device("emulated").inject_fault("sticky", where="sync")
+    return os.getpid()
+
+
+def test_a_sticky_error_restarts_the_gpu_worker_and_its_keys_are_recomputed(tmp_path):
+    # issue 31: a sticky CUDA error left the worker running with its device keys lost: the task
+    # that hit it fell back to its CPU path, which could not read its device inputs, and failed
+    workers = {"gpu": {"gpu": True, "extra": ["--nanny"]}, "cpu": {}}
+    a = da.random.default_rng(7).random((1200, 400), chunks=(100, 400))
+    x = np.exp(np.sin(a) ** 2) * 2
+    with dask.config.set(optimizations=[]):
+        expected = (x + 1).sum(axis=1).compute(scheduler="sync")
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        def gpu_address():
+            return next((a for a, w in client.scheduler_info()["workers"].items()
+                         if w["name"] == "gpu"), None)
+
+        first = gpu_address()
+        pid = client.run(_inject_a_sticky_fault, workers=[first])[first]
+        with dask.config.set(SETTINGS):
+            result = client.compute((x + 1).sum(axis=1)).result(timeout=120)
+        assert_eq(result, expected)
+        assert wait_until(lambda: gpu_address() not in (None, first), timeout=60)
+        again = gpu_address()
+        assert client.run(lambda: __import__("os").getpid(), workers=[again])[again] != pid
+        closing = [e for _, e in client.get_events(first)
+                   if isinstance(e, dict) and e.get("action") == "closing-worker"]
+        assert closing and closing[0]["reason"].startswith("eugo: device memory lost (sticky error")
+        # the fresh worker's device works: GPU tasks run there again
+        with dask.config.set(SETTINGS):
+            assert_eq(client.compute((x + 1).sum(axis=1)).result(timeout=120), expected)
+        assert worker_stats(client)["gpu"]["tasks"] > 0
+
+
 def test_the_gpu_worker_leaving_after_its_work_is_done(tmp_path):
     """The GPU tasks of a finished computation whose result is still held are released, not
     pending: when the GPU worker leaves, they are not re-routed (their run specs were rewritten

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections import Counter
 
 import dask
 import numpy as np
@@ -131,6 +132,17 @@ from eugo_dask.devices import (  # noqa: E402
 from eugo_dask.devices.emulated import EmulatedCudaError  # noqa: E402
 
 
+def test_emulated_ufuncs_refuse_0d_numpy_arrays_as_cupy_does(device):
+    # CuPy's _kernel._preprocess_arg wraps Python and NumPy scalars only: a 0-d NumPy array in an
+    # elementwise call raises TypeError, except in comparisons (its __array_ufunc__ takes the value)
+    x = device.to_device(np.arange(3.0))
+    for call in (lambda: x + np.array(1.0), lambda: np.array(2.0) * x, lambda: np.maximum(x, np.array(1.0))):
+        with pytest.raises(TypeError, match=r"Unsupported type <class 'numpy.ndarray'>.*0-d"):
+            call()
+    np.testing.assert_array_equal((x > np.array(0.5)).get(), [False, True, True])
+    np.testing.assert_array_equal((x + np.float64(1.0)).get(), [1.0, 2.0, 3.0])  # NumPy scalars
+
+
 @pytest.fixture
 def three():
     reset_device_stats()
@@ -236,6 +248,42 @@ def test_idle_release_gives_pools_back():
     while dev.memory_stats()["ordinals"][0]["pool_held_bytes"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert dev.memory_stats()["ordinals"][0]["pool_held_bytes"] == 0
+
+
+def _held(dev):
+    entry = dev.memory_stats()["ordinals"][0]
+    return entry["pool_held_bytes"] - entry["pool_used_bytes"]
+
+
+def test_idle_release_waits_for_a_copy_outside_a_task():
+    # issue 31: the releaser counted only task scopes, so a copy running outside one (a
+    # to-host task, a transfer to a peer) looked idle and had the pool freed under it
+    dev = EmulatedDevice(10**6, settings=DeviceSettings(idle_release_s=3600))  # ticked by hand
+    with dev.task():
+        x = dev.to_device(np.ones(1000))
+        garbage = dev.to_device(np.ones(500))
+    del garbage
+    assert _held(dev) == 4000
+    started, finish = threading.Event(), threading.Event()
+    copy_back = dev._to_host
+
+    def slow_copy(array):
+        started.set()
+        assert finish.wait(10)
+        return copy_back(array)
+
+    dev._to_host = slow_copy
+    copier = threading.Thread(target=dev.to_host, args=(x,))
+    copier.start()
+    try:
+        assert started.wait(10)
+        dev._release_if_idle(0.0)
+        assert _held(dev) == 4000  # the copy runs: not idle
+    finally:
+        finish.set()
+        copier.join(10)
+    dev._release_if_idle(0.0)
+    assert _held(dev) == 0  # idle now
 
 
 @pytest.mark.parametrize("fault, kind", [
@@ -448,7 +496,7 @@ def fake(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", module)
     monkeypatch.setitem(sys.modules, "cupy.fft", module.fft)
     monkeypatch.setitem(sys.modules, "cupy.fft.config", module.fft.config)
-    fake_cupy.pool.limit = fake_cupy.pool.used = 0
+    fake_cupy.reset()
     reset_device_stats()
     dev = CupyDevice(module, DeviceSettings(staging_bytes=64 * 1024, fft_plan_cache_size=3,
                                             fft_plan_cache_bytes=1 << 20, gpus="all"))
@@ -814,3 +862,203 @@ def test_staging_buffers_freed_by_the_collector_under_a_device_lock_do_not_deadl
     # the same shape on the CuPy path: a thread's staging buffers outlive it in a reference
     # cycle (an error kept by the frame that caught it, whose traceback holds the copy's frame)
     _in_a_fresh_process(_free_staging_buffers_under_a_device_lock)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stand-in CuPy itself: CUDA's ordering rules, which the tests above rely on
+# ---------------------------------------------------------------------------------------------
+def test_fake_cupy_queues_kernels_until_something_waits(fake):
+    _, fake_cupy = fake
+    x = fake_cupy.empty((4,))
+    x.peek()[...] = 1.0
+    y = x * 2  # queued on the legacy default stream
+    assert np.isnan(y.peek()).all()  # a fresh block: NaN until its kernel runs
+    fake_cupy.Stream.null.synchronize()
+    np.testing.assert_array_equal(y.peek(), 2.0)
+    # a non-blocking stream has no ordering with the legacy stream; an event gives it one
+    stream = fake_cupy.Stream(non_blocking=True)
+    z = x + 1  # legacy stream
+    with stream:
+        w = x * 3
+    stream.synchronize()
+    assert np.isnan(z.peek()).all() and (w.peek() == 3.0).all()
+    stream.wait_event(fake_cupy.Stream.null.record())
+    with stream:
+        v = x - 1
+    stream.synchronize()  # runs the legacy stream's kernel first, through the event
+    assert (z.peek() == 2.0).all() and (v.peek() == 0.0).all()
+
+
+def test_fake_cupy_has_a_current_stream_per_device_and_refuses_0d_numpy(fake):
+    _, fake_cupy = fake
+    with fake_cupy.Device(1):
+        stream = fake_cupy.Stream(non_blocking=True)
+        with stream:
+            assert fake_cupy.get_current_stream() is stream
+            assert fake_cupy.get_current_stream(0) is fake_cupy.Stream.null  # device 0's own
+    with pytest.raises(RuntimeError, match="does not match with the current device"):
+        with stream:
+            pass
+    x = fake_cupy.empty((3,))
+    with pytest.raises(TypeError, match="Unsupported type <class 'numpy.ndarray'>"):
+        x + np.array(1.0)
+    assert isinstance(x > np.array(1.0), fake_cupy.ndarray)  # comparisons take a 0-d array's value, as CuPy's __array_ufunc__ does
+    assert isinstance(x + np.float64(1.0), fake_cupy.ndarray)  # NumPy scalars are fine
+
+
+def test_fake_cupy_pool_reuses_a_block_only_on_the_stream_that_freed_it(fake):
+    _, fake_cupy = fake
+    other = fake_cupy.Stream(non_blocking=True)
+    x = fake_cupy.empty((1000,))
+    x.peek()[...] = 9.0
+    a = fake_cupy.empty((1000,))
+    a.peek()[...] = 5.0
+    freed = a.data.ptr
+    with other:
+        copy = fake_cupy.empty((1000,))
+        copy.data.copy_from_device_async(a.data, a.nbytes)  # reads a on another stream: queued
+    del a  # back to the legacy stream's free list, though a copy on `other` still reads it
+    with other:
+        assert fake_cupy.empty((1000,)).data.ptr != freed  # not `other`'s to reuse
+    b = x * 1  # a kernel on the legacy stream, in a's block
+    assert b.data.ptr == freed
+    fake_cupy.Stream.null.synchronize()  # it runs first...
+    other.synchronize()
+    np.testing.assert_array_equal(copy.peek(), 9.0)  # ...and the unordered copy reads its values
+
+
+# ---------------------------------------------------------------------------------------------
+# CupyDevice under those rules: copies back ordered after the kernels they read, waits that sleep
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_a_strided_view_copied_back_outside_a_task_follows_its_kernel(fake, path):
+    # issue 31: the view was made contiguous on the legacy default stream and copied on eugo's
+    # non-blocking stream with no ordering between them: all 200,000 values came back NaN
+    dev, fake_cupy = fake
+    if path == "direct":
+        dev.direct_copy_bytes = 1 << 30
+    host = np.arange(1000 * 400, dtype=np.float64).reshape(1000, 400)
+    x = dev.to_device(host)
+    doubled = x * 2  # a kernel queued on the legacy default stream (as code outside eugo runs)
+    view = doubled[::2]  # 1000x400 -> every other row: not contiguous
+    assert not (view.flags.c_contiguous or view.flags.f_contiguous)
+    np.testing.assert_array_equal(dev.to_host(view), host[::2] * 2)
+    # the same inside a task scope, and a transposed 3-D view
+    cube = dev.to_device(np.arange(24.0).reshape(2, 3, 4))
+    with dev.task(0):
+        back = dev.to_host((cube + 1).transpose(2, 0, 1)[::2])
+    np.testing.assert_array_equal(back, (np.arange(24.0).reshape(2, 3, 4) + 1).transpose(2, 0, 1)[::2])
+
+
+def test_a_strided_view_moved_to_another_device_follows_its_kernel(fake):
+    dev, fake_cupy = fake
+    host = np.arange(200 * 300, dtype=np.float64).reshape(200, 300)
+    x = dev.to_device(host, ordinal=1)
+    with fake_cupy.Device(1):
+        view = (x * 3)[:, ::3]  # queued on device 1's legacy stream
+    moved = dev.move(view, 0)
+    np.testing.assert_array_equal(dev.to_host(moved), host[:, ::3] * 3)
+
+
+def test_every_wait_for_the_device_sleeps_on_a_blocking_sync_event(fake):
+    # issue 31: waits spun a CPU core (default events, stream synchronisation); the events
+    # eugo waits on are made with cudaEventBlockingSync
+    dev, fake_cupy = fake
+    big, small = np.arange(50_000.0), np.arange(100.0)  # staged (7 chunks) and direct
+    with dev.task(0):
+        a = dev.to_device(big)
+        b = dev.to_device(small)
+        back = dev.to_host(a * 2), dev.to_host(b)
+    outside = dev.to_host(dev.to_device(big)[::2]), dev.to_host(dev.to_device(small))
+    dev.move(dev.to_device(big, ordinal=1)[::5], 0)
+    np.testing.assert_array_equal(back[0], big * 2)
+    np.testing.assert_array_equal(outside[0], big[::2])
+    assert len(fake_cupy.waits) > 10
+    assert set(fake_cupy.waits) == {("event", True)}, Counter(fake_cupy.waits)
+
+
+def test_idle_release_leaves_live_threads_fft_plans_to_them(fake):
+    # issue 31: the idle release cleared every thread's cuFFT plan cache from its own thread;
+    # CuPy's caches are not safe to clear from another thread
+    dev, fake_cupy = fake
+    ready, leave = threading.Event(), threading.Event()
+    caches = {}
+
+    def worker_thread(name):
+        with dev.task(0):
+            caches[name] = fake_cupy.get_plan_cache()
+        caches[name].plans = 2
+        if name == "live":
+            ready.set()
+            assert leave.wait(10)
+
+    finished = threading.Thread(target=worker_thread, args=("finished",))
+    finished.start()
+    finished.join(10)
+    live = threading.Thread(target=worker_thread, args=("live",))
+    live.start()
+    try:
+        assert ready.wait(10)
+        dev.release_memory(idle=True)
+        assert caches["live"].plans == 2 and caches["live"].cleared_by == []
+        assert caches["finished"].plans == 0  # its thread is gone: nobody else can use it
+    finally:
+        leave.set()
+        live.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# A child made by fork probes again
+# ---------------------------------------------------------------------------------------------
+def _in_a_forked_child(work, timeout=30):
+    """Run ``work()`` in a child made by ``os.fork``; what it returns (a str) or raises."""
+    import os
+    import select
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest from here on
+        try:
+            text = f"ok {work()}"
+        except BaseException as exc:
+            text = f"raised {type(exc).__name__}: {exc}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], timeout)
+        assert ready, f"the forked child said nothing in {timeout} s"
+        return os.read(read, 1 << 16).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("parent", ["probed", "used its device"])
+def test_a_forked_child_probes_again_and_falls_back_to_the_cpu(fake, monkeypatch, parent):
+    # issue 31: the child trusted the parent's probe and failed inside get_device (CUDA, used by
+    # the parent, fails in a forked child), or took the parent's device and failed in its tasks
+    from eugo_dask.devices import cuda
+    from eugo_dask.runtime import DeviceCall, usable_device, why_no_device
+
+    monkeypatch.setattr(cuda, "probe_cupy", lambda cupy, ordinal=0: None)  # the fake has no NVRTC
+    monkeypatch.setattr("eugo_dask.runtime._devices", {})
+    cuda.cupy_unusable_reason.cache_clear()
+    cuda.cupy_device_count.cache_clear()
+
+    def child():
+        assert usable_device("cupy") is None
+        assert DeviceCall(np.add, "cupy", "eugo-gpu-add")(np.ones(3), 1).tolist() == [2.0, 2.0, 2.0]
+        return why_no_device("cupy")
+
+    try:
+        with dask.config.set({"eugo.device": "cupy"}):
+            assert cuda.cupy_device_count() == 2  # the parent's probe passed
+            if parent == "used its device":
+                assert usable_device("cupy") is not None
+            said = _in_a_forked_child(child)
+    finally:
+        cuda.cupy_unusable_reason.cache_clear()
+        cuda.cupy_device_count.cache_clear()
+    assert said == ("ok no CUDA device CuPy can use on this worker (CuPy is installed but finds "
+                    "no usable CUDA device (cudaError 3))"), said

@@ -1,9 +1,10 @@
 """The real CuPy device. Skipped where CuPy or a usable CUDA device is missing (never required).
 
 What the emulated device cannot show is tested here: the staged copies through pinned buffers,
-a task scope that synchronises (launch time against device time), CuPy's pool limit and FFT plan
-caches, a sticky CUDA error (in a subprocess: it ruins the process's context), several GPUs,
-and calibration on the runtime's own paths. ``scripts/gpu-check.sh`` runs this file.
+a task scope that synchronises (launch time against device time), a slow kernel ahead of a copy
+back outside a task (ordered), a thread asleep while a scope waits (its CPU time), CuPy's pool
+limit and FFT plan caches, a sticky CUDA error (in a subprocess: it ruins the process's
+context), several GPUs, and calibration on the runtime's own paths. ``scripts/gpu-check.sh`` runs this file.
 """
 
 from __future__ import annotations
@@ -130,6 +131,66 @@ def test_task_scope_waits_for_the_device(device, cupy):
     assert clock.seconds["eugo-device-compute"] > 5 * clock.seconds["eugo-h2d"]
     assert clock.wall_s > clock.launch_s and synced - launched >= 0.5 * clock.seconds["eugo-device-compute"]
     assert eugo_dask.device_stats()["device_seconds"] >= clock.device_s > 0
+
+
+_SLOW_DOUBLE = r"""
+extern "C" __global__ void eugo_slow_double(const double* x, double* y, long long n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        y[i] = 2 * x[i];
+}
+"""
+
+
+@pytest.fixture
+def slow_double(cupy):
+    """``slow_double(x, seconds)``: 2 * x from a kernel that first spins on the device for about
+    ``seconds``, launched on the current stream and not waited for."""
+    kernel = cupy.RawKernel(_SLOW_DOUBLE, "eugo_slow_double")
+    rate = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"] * 1000  # kHz -> cycles per s
+
+    def run(x, seconds):
+        y = cupy.empty_like(x)
+        kernel((64,), (256,), (x, y, np.int64(x.size), np.int64(seconds * rate)))
+        return y
+
+    return run
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_a_slow_kernel_ahead_of_an_out_of_scope_copy_back(device, cupy, slow_double, path):
+    # issue 31: the strided view was made contiguous on the legacy default stream, behind the
+    # kernel, and copied on eugo's stream without waiting for it
+    if path == "direct":
+        device.direct_copy_bytes = 1 << 30
+    host = np.random.default_rng(1).random((1000, 400))
+    x = cupy.asarray(host)
+    cupy.cuda.get_current_stream().synchronize()
+    doubled = slow_double(x, 0.3)  # on the legacy default stream: still running below
+    np.testing.assert_array_equal(device.to_host(doubled[::2]), host[::2] * 2)
+
+
+def test_a_waiting_scope_leaves_its_thread_asleep(device, cupy, slow_double):
+    # issue 31: waits spun a CPU core; blocking-sync events let the thread sleep
+    x = cupy.ones(1 << 20)
+    cupy.cuda.get_current_stream().synchronize()
+    waits = {}
+    for where in ("scope", "copy back"):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if where == "scope":
+            with device.task(0):
+                slow_double(x, 0.5)
+                kernel_done = cupy.cuda.get_current_stream().record()
+        else:
+            y = slow_double(x, 0.5)  # the copy's stream waits for the legacy stream's kernel
+            kernel_done = cupy.cuda.Stream.null.record()
+            device.to_host(y)
+        assert kernel_done.done  # it waited for the kernel
+        waits[where] = (time.thread_time() - cpu, time.perf_counter() - wall)
+    for where, (cpu_s, wall_s) in waits.items():
+        assert cpu_s < 0.25 * wall_s, f"{where}: {cpu_s:.3f} s of CPU in {wall_s:.3f} s"
 
 
 def test_pool_limit_and_release(cupy):

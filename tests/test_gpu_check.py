@@ -17,8 +17,8 @@ SCRIPT = (ROOT / "scripts" / "gpu-check.sh").read_text()
 def test_steps_fit_one_device_command_with_room_for_a_rerun():
     budget = int(re.search(r"budget=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT).group(1))
     limits = {name: int(limit) for name, limit in re.findall(r"^step ([\w-]+) (\d+) ", SCRIPT, re.M)}
-    assert {"install", "env", "copies", "engine", "timing", "pytest-gpu", "memory", "threads", "throughput",
-            "distributed", "calibrate", "seed-table"} == set(limits)
+    assert {"install", "env", "copies", "engine", "timing", "waits", "pytest-gpu", "memory",
+            "threads", "throughput", "distributed", "calibrate", "seed-table"} == set(limits)
     assert budget <= 450 < 600  # the steps stop at the budget, whatever their own limits
     assert all(limit <= 150 for limit in limits.values())
     # at most 8 files come back from the device tool
@@ -26,7 +26,8 @@ def test_steps_fit_one_device_command_with_room_for_a_rerun():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu-check.sh")], check=True)
 
 
-@pytest.mark.parametrize("check", ["copies", "engine", "timing", "memory", "threads", "throughput"])
+@pytest.mark.parametrize("check", ["copies", "engine", "timing", "waits", "memory", "threads",
+                                   "throughput"])
 def test_gpu_checks_say_why_they_skip(check, tmp_path):
     from eugo_dask.devices import cupy_device_count
 

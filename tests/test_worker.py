@@ -14,11 +14,14 @@ import threading
 import dask
 import numpy as np
 import pytest
+from dask.array.utils import assert_eq
 from distributed import Client, LocalCluster
 from distributed.protocol.serialize import to_serialize
+from distributed.utils_test import gen_cluster
 
 from eugo_dask import worker as worker_module
 from eugo_dask.runtime import get_device
+from eugo_dask.testing import emulated_settings, gpu_worker
 from eugo_dask.worker import (
     REPORT_OP,
     EugoWorkerPlugin,
@@ -27,6 +30,8 @@ from eugo_dask.worker import (
     running_schedulers,
     send_device_values_as_host,
 )
+
+from .pipelines import EXPECTED, pipeline
 
 
 class StandInWorker:
@@ -208,3 +213,33 @@ def test_an_in_process_cluster_checks_nothing_and_sends_host_arrays():
         assert type(values[0]) is np.ndarray and values[0].tolist() == [0.0, 1.0, 2.0]
         assert type(values[1]) is not np.ndarray
     assert running_schedulers() == []
+
+
+@gen_cluster(client=True, nthreads=[gpu_worker()],
+             config={**emulated_settings(), "eugo.device-idle-release": "50ms"})
+async def test_the_idle_release_runs_off_the_event_loop(c, s, gpu):
+    # issue 31: it ran on the worker's event loop, where cudaFree (which waits for the whole
+    # device) stalled every comm of the worker
+    from eugo_dask.plugin import EugoSchedulerPlugin
+    from eugo_dask.runtime import get_device
+
+    await c.register_plugin(EugoSchedulerPlugin())
+    assert_eq(await c.compute(pipeline()), EXPECTED)
+    device = get_device("emulated")
+    threads = []
+    release = device.release_memory
+
+    def recording_release(**kwargs):
+        threads.append(threading.get_ident())
+        return release(**kwargs)
+
+    device.release_memory = recording_release
+    try:
+        device._released_since_busy = False  # busy just now: due again after 50 ms
+        for _ in range(200):
+            if threads:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        del device.release_memory
+    assert threads and threading.get_ident() not in threads  # the loop's thread is this one

@@ -15,8 +15,9 @@ What a device does for the runtime (each point is one method; the runtime decide
 - **copies** (:meth:`Device.to_device`, :meth:`Device.to_host`, :meth:`Device.move`): on CuPy
   through two pinned staging buffers per worker thread (:mod:`eugo_dask.devices.cuda`).
 - **bounded memory**: a pool limit per device (``memory_fraction`` of its memory), cuFFT plan
-  caches bounded in plans and bytes, pools and caches released after ``idle_release_s`` without
-  tasks and on out-of-memory (:meth:`Device.release_memory`), all reported by
+  caches bounded in plans and bytes, pools released after ``idle_release_s`` without tasks or
+  copies, and on out-of-memory (:meth:`Device.release_memory`; a thread's plan cache by that
+  thread only), all reported by
   :meth:`Device.memory_stats` and, where prometheus_client is installed, on the process's
   ``/metrics`` (:mod:`eugo_dask.devices.metrics`).
 - **errors** (:meth:`Device.classify_error`, :meth:`Device.note_error`): the kinds of
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from eugo_dask.devices.clock import TaskClock
-from eugo_dask.devices.errors import FATAL_KINDS, OUT_OF_MEMORY, UNAVAILABLE
+from eugo_dask.devices.errors import FATAL_KINDS, OUT_OF_MEMORY, STICKY, UNAVAILABLE
 from eugo_dask.devices.metrics import _register_metrics
 from eugo_dask.devices.stats import _live_devices, _stats
 
@@ -158,16 +159,18 @@ class Device:
         self.settings = settings or DeviceSettings()
         self._local = threading.local()
         self._lock = threading.Lock()
-        # held while an idle release runs: no task scope opens meanwhile (CuPy's FFT plan
-        # caches belong to their threads and must not be cleared under a running task)
+        # held while an idle release runs: no task scope and no copy starts meanwhile (the
+        # release frees pool blocks, and cudaFree waits for the whole device)
         self._release_lock = threading.Lock()
         self._in_flight: Counter[int] = Counter()
+        self._copies_in_flight = 0  # copies outside task scopes (those inside are the task's)
         self._next_home = 0
         self._disabled: str | None = None
         self._last_busy = time.monotonic()
         self._released_since_busy = True
         self._idle_thread: threading.Thread | None = None
         self._idle_ticks_external = False
+        self._memory_lost_callbacks: list[Callable[[str], None]] = []
         _live_devices.add(self)
         _register_metrics()
 
@@ -214,9 +217,10 @@ class Device:
         raise NotImplementedError
 
     def release_memory(self, *, idle: bool = False) -> int:
-        """Give back what the pools hold beyond what is in use, and cached FFT plans: those of
-        this thread and of finished threads, or with ``idle`` every thread's (only while no
-        task runs, as the idle releaser makes sure). Returns the bytes given back."""
+        """Give back what the pools hold beyond what is in use, and the cached FFT plans of this
+        thread and of finished threads (a live thread's plans are its own: CuPy's plan caches
+        are not safe to clear from another thread). ``idle``: called by the idle releaser,
+        while no task and no copy runs. Returns the bytes given back."""
         raise NotImplementedError
 
     def probe(self) -> str | None:
@@ -327,13 +331,15 @@ class Device:
         clock = self.current_task()
         if ordinal is None:
             ordinal = clock.ordinal if clock is not None else self._default_ordinal()
-        out = self._to_device(array, ordinal, clock is not None and clock.ordinal == ordinal)
+        with self._copying():
+            out = self._to_device(array, ordinal, clock is not None and clock.ordinal == ordinal)
         _stats.add(h2d_count=1, h2d_bytes=int(array.nbytes))
         return out
 
     def to_host(self, array: Any) -> np.ndarray:
         """Copy a device array to a new host array (counted); complete on return."""
-        out = self._to_host(array)
+        with self._copying():
+            out = self._to_host(array)
         _stats.add(d2h_count=1, d2h_bytes=int(out.nbytes))
         return out
 
@@ -341,9 +347,28 @@ class Device:
         """Copy a device array to device ``ordinal`` (counted; the same array if it is there)."""
         if self.ordinal_of(array) == ordinal:
             return array
-        out = self._move(array, ordinal)
+        with self._copying():
+            out = self._move(array, ordinal)
         _stats.add(d2d_count=1, d2d_bytes=int(array.nbytes))
         return out
+
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """A copy outside a task scope is device work too: the device is not idle while it runs
+        (an idle release would free the blocks it reads, and its cudaFree would wait for it),
+        and none starts while a release runs. A copy inside a scope is the task's."""
+        if self.current_task() is not None:
+            yield
+            return
+        with self._release_lock, self._lock:
+            self._copies_in_flight += 1
+            self._released_since_busy = False
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._copies_in_flight -= 1
+                self._last_busy = time.monotonic()
 
     # -- errors -------------------------------------------------------------------------------
     def classify_error(self, exc: BaseException) -> str | None:
@@ -370,8 +395,9 @@ class Device:
 
     def note_error(self, exc: BaseException) -> str | None:
         """Classify ``exc`` once, count it, and act on it: the device is off for the process
-        after a sticky or unavailable error (:meth:`disable`); memory is released after an
-        out-of-memory error. Returns the kind (None: not a device error)."""
+        after a sticky or unavailable error (:meth:`disable`), and after a sticky one the
+        callbacks of :meth:`on_memory_lost` run; memory is released after an out-of-memory
+        error. Returns the kind (None: not a device error)."""
         noted = getattr(exc, "_eugo_device_error", False)
         kind = self.classify_error(exc)
         if kind is None or noted:
@@ -380,11 +406,22 @@ class Device:
             exc._eugo_device_error = True  # type: ignore[attr-defined]
         _stats.add_error(kind)
         if kind in FATAL_KINDS:
-            self.disable(f"{kind} error: {type(exc).__name__}: {exc}")
+            reason = f"{kind} error: {type(exc).__name__}: {exc}"
+            self.disable(reason)
+            if kind == STICKY:  # the device's memory is gone with its context
+                for callback in list(self._memory_lost_callbacks):
+                    callback(reason)
         elif kind == OUT_OF_MEMORY:
             with contextlib.suppress(Exception):
                 self.release_memory()
         return kind
+
+    def on_memory_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` when a sticky error loses this device's memory (once per
+        callback, however often it is asked for)."""
+        with self._lock:
+            if callback not in self._memory_lost_callbacks:
+                self._memory_lost_callbacks.append(callback)
 
     def disable(self, reason: str) -> None:
         """Turn this device off for the rest of the process, saying why (once)."""
@@ -405,6 +442,10 @@ class Device:
     # -- idle release -------------------------------------------------------------------------
     def tasks_in_flight(self) -> int:
         return sum(self._in_flight.values())
+
+    def busy(self) -> bool:
+        """Whether a task scope or a copy outside one runs on this device now."""
+        return bool(self.tasks_in_flight() or self._copies_in_flight)
 
     def idle_release_externally(self) -> None:
         """Someone else calls :meth:`release_if_idle` (a distributed worker, from its event
@@ -432,7 +473,7 @@ class Device:
     def _release_if_idle(self, idle_s: float) -> None:
         with self._release_lock:
             with self._lock:
-                due = (not self._released_since_busy and not self.tasks_in_flight()
+                due = (not self._released_since_busy and not self.busy()
                        and time.monotonic() - self._last_busy >= idle_s)
                 if due:
                     self._released_since_busy = True

@@ -8,7 +8,12 @@ for. This is the only module of eugo-dask that imports CuPy.
   lands, where ``pinned_results_bytes`` allows, in a pinned block the device copies straight
   into (:mod:`eugo_dask.devices.copies`).
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
-  that run.
+  that run. Outside a task a copy runs on this thread's own stream, made current for it, so
+  what it queues first (a strided view made contiguous) is ordered ahead of it.
+- **waits that sleep** (:class:`_BlockingWaits`): every wait for the device is on an event made
+  with ``cudaEventBlockingSync``; CUDA's default events and stream synchronisation spin a core.
+- **after fork** the child forgets the parent's probe (:func:`_forget_the_probe`) and probes
+  again: CUDA initialised by a parent fails in its forked child.
 - **honest detection** (:func:`probe_cupy`, :func:`cupy_unusable_reason`): a tiny kernel, a GEMM
   and an FFT once per process before ``auto`` trusts a device, and the reason when it cannot.
 """
@@ -163,7 +168,12 @@ class CupyDevice(Device):
             if self.settings.fft_plan_cache_bytes is not None:
                 cache.set_memsize(self.settings.fft_plan_cache_bytes)
         with self._lock:
+            # an entry under this thread's ident is a finished thread's (idents are reused):
+            # its plans are nobody's now
+            old = self._fft_caches.get((threading.get_ident(), ordinal))
             self._fft_caches[(threading.get_ident(), ordinal)] = cache
+        if old is not None and old is not cache:
+            old.clear()
 
     def _staging(self) -> _Staging:
         staging = getattr(self._local, "staging", None)
@@ -208,7 +218,7 @@ class CupyDevice(Device):
             _after_legacy_stream(cupy, stream)
             with stream:
                 def synchronise() -> Any:
-                    end = stream.record()
+                    end = stream.record(cupy.cuda.Event(block=True))  # timed, and sleeps
                     end.synchronize()
                     return end
 
@@ -218,21 +228,28 @@ class CupyDevice(Device):
                     # drain the stream before the fallback reads anything; a sticky error
                     # raised here is classified with the original one
                     with contextlib.suppress(Exception):
-                        stream.synchronize()
+                        _BlockingWaits(cupy, stream).synchronize()
                     raise
 
     @contextlib.contextmanager
     def _copy_stream(self, ordinal: int, in_task: bool) -> Iterator[Any]:
-        """The stream a copy runs on: the task's, or this thread's, synchronised after."""
+        """The stream a copy runs on: the task's, or outside a task this thread's own, made
+        current for the copy (the arrays it allocates and the kernels it runs, such as making
+        a strided view contiguous, are queued on it, ahead of the copy, as CuPy's
+        ``ndarray.get()`` does inside ``with stream:``) and waited for at the end. Its waits
+        sleep (:class:`_BlockingWaits`)."""
+        cupy = self.cupy
         if in_task:
-            yield self.cupy.cuda.get_current_stream()
+            yield _BlockingWaits(cupy, cupy.cuda.get_current_stream())
             return
         self._prepare(ordinal)
-        with self.cupy.cuda.Device(ordinal):
+        with cupy.cuda.Device(ordinal):
             stream = self._stream(ordinal)
-            _after_legacy_stream(self.cupy, stream)
-            yield stream
-            stream.synchronize()
+            _after_legacy_stream(cupy, stream)
+            with stream:
+                waits = _BlockingWaits(cupy, stream)
+                yield waits
+                waits.synchronize()
 
     # -- copies -------------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray, ordinal: int, in_task: bool) -> Any:
@@ -301,13 +318,17 @@ class CupyDevice(Device):
         cupy = self.cupy
         clock = self.current_task()
         with self._copy_stream(ordinal, clock is not None and clock.ordinal == ordinal) as stream:
-            if not (array.flags.c_contiguous or array.flags.f_contiguous):
-                with cupy.cuda.Device(array.device.id):
+            made = not (array.flags.c_contiguous or array.flags.f_contiguous)
+            with cupy.cuda.Device(array.device.id):
+                if made:
                     array = cupy.ascontiguousarray(array)
-                    cupy.cuda.get_current_stream().synchronize()
+                # the copy follows the work queued on the source device (that kernel included)
+                stream.wait_event(cupy.cuda.get_current_stream().record())
             order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
             out = cupy.empty(array.shape, dtype=array.dtype, order=order)
             out.data.copy_from_device_async(array.data, array.nbytes, stream)
+            if made:  # the contiguous copy goes back to its stream's pool when this returns
+                stream.synchronize()
         return out
 
     # -- errors -------------------------------------------------------------------------------
@@ -365,7 +386,7 @@ class CupyDevice(Device):
             caches = dict(self._fft_caches)
         for key, cache in caches.items():
             thread, _ = key
-            if idle or thread == me or thread not in alive:
+            if thread == me or thread not in alive:  # never a live thread's (not thread-safe)
                 cache.clear()
             if thread not in alive:
                 with self._lock:
@@ -430,6 +451,31 @@ def _after_legacy_stream(cupy: Any, stream: Any) -> None:
     current = cupy.cuda.get_current_stream()
     if current.ptr not in (null.ptr, stream.ptr):  # a per-thread default or user stream
         stream.wait_event(current.record())
+
+
+class _BlockingWaits:
+    """A stream as eugo's copies see it: every event recorded on it is created with
+    ``cudaEventBlockingSync`` (and without timing), and synchronising it waits for such an
+    event, so a thread waiting for the device sleeps instead of spinning a CPU core (CUDA's
+    default events and stream synchronisation spin under its default device flags). The copy
+    functions take it for the stream (``ptr`` is the stream's)."""
+
+    __slots__ = ("_cupy", "stream", "ptr", "device_id")
+
+    def __init__(self, cupy: Any, stream: Any) -> None:
+        self._cupy, self.stream = cupy, stream
+        self.ptr, self.device_id = stream.ptr, stream.device_id
+
+    def record(self, event: Any = None) -> Any:
+        if event is None:
+            event = self._cupy.cuda.Event(block=True, disable_timing=True)
+        return self.stream.record(event)
+
+    def synchronize(self) -> None:
+        self.record().synchronize()
+
+    def wait_event(self, event: Any) -> None:
+        self.stream.wait_event(event)
 
 
 def _elapsed_seconds(cupy: Any) -> Callable[[Any, Any], float]:
@@ -516,6 +562,17 @@ def cupy_device_count() -> int:
     if cupy_unusable_reason() is not None:
         return 0
     return int(import_cupy().cuda.runtime.getDeviceCount())
+
+
+def _forget_the_probe() -> None:
+    """In a child process made by ``fork``: the parent's probe says nothing about the child, in
+    which CUDA, once initialised by the parent, fails (``cudaErrorInitializationError``). The
+    child probes again on first use, and falls back to the CPU where it cannot use a device."""
+    cupy_unusable_reason.cache_clear()
+    cupy_device_count.cache_clear()
+
+
+os.register_at_fork(after_in_child=_forget_the_probe)
 
 
 def cupy_device_name(ordinal: int = 0) -> str | None:

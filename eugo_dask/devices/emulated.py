@@ -3,7 +3,8 @@ depends on it.
 
 NumPy functions dispatch to :class:`EmulatedDeviceArray` and return device arrays, implicit
 conversion to NumPy raises ``TypeError`` as CuPy does, mixing host and device arrays in one call
-raises as CuPy does, and so does mixing arrays of two devices. It lets CI prove placement and a
+raises as CuPy does (a 0-d NumPy array in a ufunc other than a comparison too), and so does
+mixing arrays of two devices. It lets CI prove placement and a
 laptop user dry-run a plan; it proves nothing about speed.
 
 What it emulates of a CUDA process, so the runtime's device mechanisms are testable without
@@ -274,19 +275,28 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _reject_host_arrays(values: Any) -> None:
+#: The ufuncs whose 0-d NumPy arguments CuPy takes by value (``.item()``, numpy/numpy#12142).
+_COMPARISONS = frozenset({"greater", "greater_equal", "less", "less_equal", "equal", "not_equal"})
+
+
+def _reject_host_arrays(values: Any, ufunc: str | None = None) -> None:
     # CuPy refuses to mix its arrays with NumPy arrays in one call, and arrays of two devices
-    # (without peer access, which the emulated devices do not have)
+    # (without peer access, which the emulated devices do not have). A ufunc refuses 0-d NumPy
+    # arrays too (CuPy's _kernel._preprocess_arg wraps only Python and NumPy scalars), except a
+    # comparison, whose __array_ufunc__ takes their value; other functions vary in CuPy and take
+    # them here.
     ordinals: set[int] = set()
+    refuse_0d = ufunc is not None and ufunc not in _COMPARISONS
 
     def check(values: Any) -> None:
         for value in values:
             if isinstance(value, EmulatedDeviceArray):
                 ordinals.add(value._ordinal)
-            elif isinstance(value, np.ndarray) and value.ndim > 0:
+            elif isinstance(value, np.ndarray) and (value.ndim > 0 or refuse_0d):
                 raise TypeError(
                     "Unsupported type <class 'numpy.ndarray'>: the emulated device, like CuPy, "
                     "does not mix host and device arrays in one call"
+                    + (" (a 0-d array included)" if value.ndim == 0 else "")
                 )
             elif isinstance(value, (list, tuple)):
                 check(value)
@@ -336,7 +346,7 @@ class EmulatedDeviceArray(NDArrayOperatorsMixin):
         return result
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        _reject_host_arrays(inputs)
+        _reject_host_arrays(inputs, ufunc.__name__)
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
