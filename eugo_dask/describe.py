@@ -140,7 +140,12 @@ def _arg_shape(arg: Any, names: dict[Key, Any]) -> Any:
     kind = type(arg)
     if kind is TaskRef:
         return ("ref", names[arg.key])
-    if kind in _PLAIN_LITERALS:  # (what the last line gives them, without the checks between)
+    # (the common types first, each given what the checks below give it)
+    if kind in _PLAIN_LITERALS or kind in _RANDOM_STATE_TYPES:
+        return ("value", kind, _freeze(arg))
+    if kind is DataNode:
+        return ("data", *_literal_shape(arg.value))
+    if kind is dict and not any(isinstance(v, GraphNode) for v in arg.values()):
         return ("value", kind, _freeze(arg))
     if isinstance(arg, Alias):
         return ("ref", names[arg.target])
@@ -249,6 +254,10 @@ _NUMBERS = frozenset({int, float, bool, complex})
 #: cost do not depend on it.
 _RANDOM_STATE = (np.random.SeedSequence, np.random.BitGenerator, np.random.Generator,
                  np.random.RandomState)
+#: The common ones by exact type, looked up before the other checks (a seed per chunk task).
+_RANDOM_STATE_TYPES = frozenset({np.random.SeedSequence, np.random.Generator,
+                                 np.random.RandomState, np.random.PCG64, np.random.PCG64DXSM,
+                                 np.random.MT19937, np.random.Philox, np.random.SFC64})
 
 
 def _freeze(value: Any) -> Any:
@@ -262,6 +271,8 @@ def _freeze(value: Any) -> Any:
         return value
     if kind in _NUMBERS:
         return (kind, value)
+    if kind in _RANDOM_STATE_TYPES:  # (a chunk's seed: what the isinstance check below gives)
+        return ("random state", kind)
     if kind is tuple:  # (before the checks that take subclasses: a chunk's size, an index)
         return tuple([_freeze(v) for v in value])
     if kind is type:  # a class (dtype=np.float64): equal only to itself
