@@ -12,10 +12,13 @@ are timed side by side in one run, alternating, best of N:
 Prints tasks, seconds, the ratios to Dask's optimization (goal <= 0.5) and eugo's microseconds
 per task (flat as the graph grows means linear).
 
-Then other shapes of graph, on one size each (the matmul pipeline is not the hardest case):
-reads of a stored (h5py- or zarr-like) array and random chunks, each through an elementwise chain
-into a mean (a chunk task per chunk: eugo writes a copy in, a device task and a copy back per
-chunk), and a ``map_overlap`` stencil with a function of the user's (which stays on the CPU).
+Then other shapes of graph (the matmul pipeline is not the hardest case): reads of a stored
+(h5py- or zarr-like) array and random chunks, each through an elementwise chain into a mean (a
+chunk task per chunk: eugo writes a copy in, a device task and a copy back per chunk), on one
+size each; and at ~6,000 to ~1,000,000 tasks (quick: ~6,000) a fused elementwise chain of random
+chunks (``chain``), the same into a reduction tree (``chain-sum``), ``(z @ z.T).sum()``
+(``matmul-sum``) and a ``map_overlap`` stencil with a function of the user's (which stays on the
+CPU).
 
 Then two graphs submitted to a distributed scheduler (a separate process, see
 ``_scheduler_submit.py``), plain, ``plan`` and ``rewrite``, each on a fresh cluster: how long the
@@ -35,6 +38,8 @@ ratios to plain Dask's (goal: not much above 1). The graphs (``SCHEDULER_SHAPES`
     python benchmarks/pass_overhead.py --quick    # 2 to ~6,000 tasks; scheduler ~6,000 and ~3,700
     python benchmarks/pass_overhead.py --only-scheduler random-chain [--blocks N]
                                                   # that graph's scheduler rows alone
+    python benchmarks/pass_overhead.py --shape chain-sum [--shape stencil ...]
+                                                  # those shapes' rows alone
 
 The other graph shapes are in ``SHAPES``.
 """
@@ -58,10 +63,15 @@ from eugo_dask.optimization import eugo
 SETTINGS = {"eugo.device": "emulated", "eugo.profile": {"base": "h200", "cpu": "server-x86"}}
 
 
+def _random(blocks: int):
+    """Random chunks of 8 x 8, ``blocks`` per side."""
+    n = blocks * 8
+    return da.random.default_rng(0).random((n, n), chunks=8)
+
+
 def pipeline(blocks: int):
     """~ blocks**2 * (blocks + 3) tasks."""
-    n = blocks * 8
-    a = da.random.default_rng(0).random((n, n), chunks=8)
+    a = _random(blocks)
     with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
         warnings.simplefilter("ignore", PerformanceWarning)
         return (np.exp(a @ a.T) + 1).sum(axis=0)
@@ -78,20 +88,38 @@ def reads(blocks: int):
 
 def random_chunks(blocks: int):
     """The same chain over random chunks."""
-    n = blocks * 8
-    return _chain_to_mean(da.random.default_rng(0).random((n, n), chunks=8))
+    return _chain_to_mean(_random(blocks))
 
 
 def stencil(blocks: int):
-    """``map_overlap`` with the user's own function, summed by rows."""
-    n = blocks * 8
-    a = da.random.default_rng(0).random((n, n), chunks=8)
-    return a.map_overlap(lambda block: block * 2, depth=1).sum(axis=1)
+    """``map_overlap`` with the user's own function, summed by rows (~12 tasks a block)."""
+    return _random(blocks).map_overlap(lambda block: block * 2, depth=1).sum(axis=1)
 
 
-#: name -> (graph builder, blocks per side: full, quick)
-SHAPES = {"reads": (reads, 160, 20), "random": (random_chunks, 160, 20),
-          "stencil": (stencil, 80, 12)}
+def chain(blocks: int):
+    """``(x + 1) * 2`` of random chunks: Dask fuses each chunk's creation and chain into one
+    task (and keeps an alias under the chain's old key: two keys a block)."""
+    return (_random(blocks) + 1) * 2
+
+
+def chain_sum(blocks: int):
+    """``((x + 1) * 2).sum(axis=0)``: the fused chain's chunk tasks, then a reduction tree."""
+    return chain(blocks).sum(axis=0)
+
+
+def matmul_sum(blocks: int):
+    """``(z @ z.T).sum()``: a contraction per block triple (~1.5 blocks³ tasks)."""
+    z = _random(blocks)
+    return (z @ z.T).sum()
+
+
+#: name -> (graph builder, blocks per side: full sizes, quick size). The chains, the tree and
+#: the stencil at ~6,000, ~60,000, ~250,000 and ~1,000,000 tasks (quick: the first).
+SHAPES = {"reads": (reads, (160,), 20), "random": (random_chunks, (160,), 20),
+          "chain": (chain, (55, 173, 354, 707), 55),
+          "chain-sum": (chain_sum, (50, 160, 326, 652), 50),
+          "matmul-sum": (matmul_sum, (16, 34, 55, 88), 16),
+          "stencil": (stencil, (23, 71, 146, 291), 23)}
 
 
 def measure(blocks: int, repeat: int, build=pipeline) -> dict:
@@ -119,10 +147,9 @@ def _with_min_speedup_zero(fn):
 def random_chain(blocks: int):
     """Random chunks through an elementwise chain into a sum: one fused task per chunk (creation,
     chain, partial sum; plus the alias Dask's fusion leaves under the old key), then the tree."""
-    n = blocks * 8
     with warnings.catch_warnings():  # many small chunks are the point: no PerformanceWarning
         warnings.simplefilter("ignore", PerformanceWarning)
-        a = da.random.default_rng(0).random((n, n), chunks=8)
+        a = _random(blocks)
         return (np.exp(a) * 2 + a).sum()
 
 
@@ -168,11 +195,26 @@ def _ratio(value: float, plain: float) -> str:
     return f"{value / plain:.2f}" if plain > 0 else "-"
 
 
+def print_shapes(shapes: dict, quick: bool) -> None:
+    """A row per shape and size (``SHAPES``' entries; quick: the quick size alone)."""
+    print(f"{'shape':<10} {'tasks':>9} {'dask s':>8} {'plan s':>8} {'plan/dask':>10} "
+          f"{'rewrite s':>10} {'rewrite/dask':>13}", flush=True)
+    for name, (build, full, small) in shapes.items():
+        for blocks in (small,) if quick else full:
+            r = measure(blocks, 2 if quick else 3, build)
+            print(f"{name:<10} {r['tasks']:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} "
+                  f"{r['plan'] / r['dask']:>10.2f} {r['rewrite']:>10.4f} "
+                  f"{r['rewrite'] / r['dask']:>13.2f}", flush=True)
+
+
 def main() -> None:
     parser = _common.benchmark_parser(__doc__)
     parser.add_argument("--only-scheduler", choices=sorted(SCHEDULER_SHAPES), metavar="SHAPE",
                         help="only this graph's scheduler rows (one of: "
                              + ", ".join(SCHEDULER_SHAPES) + ")")
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), metavar="SHAPE",
+                        help="only this shape's rows (repeatable; one of: " + ", ".join(SHAPES)
+                             + ")")
     parser.add_argument("--blocks", type=int,
                         help="with --only-scheduler: blocks per side instead of the mode's size")
     args = _common.parse_args(parser)
@@ -181,6 +223,10 @@ def main() -> None:
     if args.only_scheduler:
         full, quick = SCHEDULER_SHAPES[args.only_scheduler][1:]
         print_submission({args.only_scheduler: args.blocks or (quick if args.quick else full)})
+        return
+    if args.shape:
+        with dask.config.set(SETTINGS):
+            print_shapes({name: SHAPES[name] for name in args.shape}, args.quick)
         return
     # from one chunk (a pass's fixed costs: settings, profile, token) to ~1,070,000 tasks
     sizes = [1, 2, 8, 16] if args.quick else [1, 2, 4, 16, 24, 48, 64, 92]
@@ -195,13 +241,8 @@ def main() -> None:
             print(f"{n:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} {r['plan'] / r['dask']:>10.2f} "
                   f"{1e6 * r['plan'] / n:>8.1f} {r['rewrite']:>10.4f} "
                   f"{r['rewrite'] / r['dask']:>13.2f} {1e6 * r['rewrite'] / n:>8.1f}", flush=True)
-        print(f"\nother shapes of graph\n{'shape':<8} {'tasks':>9} {'dask s':>8} {'plan s':>8} "
-              f"{'plan/dask':>10} {'rewrite s':>10} {'rewrite/dask':>13}")
-        for name, (build, full, quick) in SHAPES.items():
-            r = measure(quick if args.quick else full, 2 if args.quick else 3, build)
-            print(f"{name:<8} {r['tasks']:>9} {r['dask']:>8.4f} {r['plan']:>8.4f} "
-                  f"{r['plan'] / r['dask']:>10.2f} {r['rewrite']:>10.4f} "
-                  f"{r['rewrite'] / r['dask']:>13.2f}", flush=True)
+        print("\nother shapes of graph")
+        print_shapes(SHAPES, args.quick)
     print_submission({name: quick if args.quick else full
                       for name, (_, full, quick) in SCHEDULER_SHAPES.items()})
 

@@ -137,8 +137,16 @@ def _task_shape(node: Task, names: dict[Key, Any]) -> tuple[Any, ...]:
 
 def _arg_shape(arg: Any, names: dict[Key, Any]) -> Any:
     """What :func:`_resolve` makes of ``arg``, positions for names."""
-    if type(arg) is TaskRef:
+    kind = type(arg)
+    if kind is TaskRef:
         return ("ref", names[arg.key])
+    # (the common types first, each given what the checks below give it)
+    if kind in _PLAIN_LITERALS or kind in _RANDOM_STATE_TYPES:
+        return ("value", kind, _freeze(arg))
+    if kind is DataNode:
+        return ("data", *_literal_shape(arg.value))
+    if kind is dict and not any(isinstance(v, GraphNode) for v in arg.values()):
+        return ("value", kind, _freeze(arg))
     if isinstance(arg, Alias):
         return ("ref", names[arg.target])
     if isinstance(arg, DataNode):
@@ -149,9 +157,15 @@ def _arg_shape(arg: Any, names: dict[Key, Any]) -> Any:
         return ("task", _task_shape(arg, names))
     if isinstance(arg, GraphNode):
         raise _NoShape
-    if isinstance(arg, dict):  # a nested fused task's inner graph: shared, or not the same
+    if isinstance(arg, dict) and any(isinstance(v, GraphNode) for v in arg.values()):
+        # a nested fused task's inner graph: shared, or not the same
         return ("id", id(arg))
     return ("value", *_literal_shape(arg))
+
+
+#: Argument types no check of :func:`_arg_shape` catches and :func:`_literal` leaves as they are:
+#: frozen at once (a fused chunk task's signature is taken once per task).
+_PLAIN_LITERALS = frozenset({str, int, float, bool, type(None), tuple, list, type})
 
 
 def _literal_shape(value: Any) -> tuple[Any, Any]:
@@ -240,6 +254,10 @@ _NUMBERS = frozenset({int, float, bool, complex})
 #: cost do not depend on it.
 _RANDOM_STATE = (np.random.SeedSequence, np.random.BitGenerator, np.random.Generator,
                  np.random.RandomState)
+#: The common ones by exact type, looked up before the other checks (a seed per chunk task).
+_RANDOM_STATE_TYPES = frozenset({np.random.SeedSequence, np.random.Generator,
+                                 np.random.RandomState, np.random.PCG64, np.random.PCG64DXSM,
+                                 np.random.MT19937, np.random.Philox, np.random.SFC64})
 
 
 def _freeze(value: Any) -> Any:
@@ -253,6 +271,8 @@ def _freeze(value: Any) -> Any:
         return value
     if kind in _NUMBERS:
         return (kind, value)
+    if kind in _RANDOM_STATE_TYPES:  # (a chunk's seed: what the isinstance check below gives)
+        return ("random state", kind)
     if kind is tuple:  # (before the checks that take subclasses: a chunk's size, an index)
         return tuple([_freeze(v) for v in value])
     if kind is type:  # a class (dtype=np.float64): equal only to itself
@@ -303,11 +323,20 @@ class _Followed(NamedTuple):
 
 class TaskDescriber:
     """Estimates tasks and infers their output chunks, reusing work across the chunks of a
-    layer (same functions, same shapes: same estimate)."""
+    layer (same functions, same shapes: same estimate).
+
+    With ``share=False`` nothing is reused: every task is followed and estimated on its own,
+    the description per-task planning gives, which the shared one must equal (the tests compare
+    them)."""
 
     def __init__(self, chunks: ChunkInfo, profile: Profile,
-                 history: RuntimeHistory | None = None) -> None:
+                 history: RuntimeHistory | None = None, *, share: bool = True) -> None:
         self.chunks, self.profile, self.history = chunks, profile, history
+        self.share = share
+        self._forget()
+
+    def _forget(self) -> None:
+        """Empty the caches that carry one task's work over to the next."""
         self._structures: dict[tuple[int, tuple[Key, ...], Key], _Structure] = {}
         self._shapes: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._followed: dict[tuple[Any, ...], _Followed] = {}
@@ -339,6 +368,8 @@ class TaskDescriber:
         Chunks of one layer with the same inputs get the same answer: it is worked out once
         (the pass runs this for every task of graphs a million tasks large), and the lookup
         reads ``values`` directly rather than building a dict of the task's inputs first."""
+        if not self.share:
+            self._forget()
         parts = fused(node)
         structure = None
         if parts is not None:
@@ -358,7 +389,8 @@ class TaskDescriber:
                 follow_key += tuple([(k, _freeze(_resolve(v, values)))
                                      for k, v in node.kwargs.items()])
             layer = key_name(key)
-        result = self._results.get((follow_key, layer))
+        result_key = (follow_key, layer, _held(deps, values))
+        result = self._results.get(result_key)
         if result is not None:
             return (*result, True)
         inputs = {d: values.get(d, UNKNOWN_ARRAY) for d in deps}
@@ -382,7 +414,7 @@ class TaskDescriber:
         # it is the same for every chunk of the layer with these inputs
         shared = isinstance(followed.value, ArraySpec)
         if shared:
-            self._results[(follow_key, layer)] = result
+            self._results[result_key] = result
         return (*result, shared)
 
     def _read(self, key: Key, node: Task, op: tuple[Family, str], deps: frozenset[Key],
@@ -492,6 +524,16 @@ class GraphDescription:
 _NESTED, _WHOLE = object(), object()  # markers in the keys _same_inputs makes
 
 
+def _held(deps: frozenset[Key], values: Mapping[Key, Value]) -> tuple[int, ...]:
+    """What a task's distinct inputs hold (by identity, in no order), for the keys under which
+    chunks share a description: a task is priced on the chunks it reads once each, which its
+    arguments alone do not tell (``x @ x.T``'s diagonal chunks read one chunk twice, the others
+    two chunks of one shape)."""
+    if not deps:
+        return ()
+    return tuple(sorted([id(values.get(d, UNKNOWN_ARRAY)) for d in deps]))
+
+
 def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value],
                  chunks: ChunkInfo) -> tuple[Any, ...] | None:
     """The identity key under which ``describe_graph`` shares a task's description with the
@@ -508,13 +550,13 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
     if node.func is FUSED_FUNC:
         outkey = args[FUSED_OUTKEY]
         return (id(args[FUSED_INNER]), id(args[FUSED_INKEYS]),
-                outkey[0] if type(outkey) is tuple else key_name(key),
+                outkey[0] if type(outkey) is tuple else key_name(key), _held(deps, values),
                 *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef
                   else id(d.value) if type(d) is DataNode else id(d)
                   for d in args[FUSED_DEPS:]])
     if node.kwargs:
         return None
-    same: list[Any] = [id(node.func), key_name(key)]
+    same: list[Any] = [id(node.func), key_name(key), _held(deps, values)]
     nested = False
     for a in args:
         if type(a) is TaskRef:
@@ -526,23 +568,24 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
             same.append(id(a.value))
         else:
             same.append(id(a))
-    if nested:
+    if nested:  # (what its inputs hold is in the key already)
         same.append(id(chunks.spec(key)))
-        same.extend([id(values.get(d, UNKNOWN_ARRAY)) for d in deps])
         same.append(_WHOLE)
     return tuple(same)
 
 
 def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
-                   history: RuntimeHistory | None = None) -> GraphDescription:
+                   history: RuntimeHistory | None = None, *, share: bool = True
+                   ) -> GraphDescription:
     """Describe every task of ``dsk`` (task-spec nodes, after Dask's optimization), inputs'
-    specs feeding outputs'."""
+    specs feeding outputs'. ``share=False``: each task described on its own (see
+    :class:`TaskDescriber`), for the tests that hold the shared description to it."""
     targets = alias_targets(dsk)
     resolve = targets.get  # an alias's final target, in one dict access on the hot path
     ordered = dependency_order(dsk)
     order = [k for k, _ in ordered]
     aliases = frozenset(targets)
-    describer = TaskDescriber(chunks, profile, history)
+    describer = TaskDescriber(chunks, profile, history, share=share)
     values: dict[Key, Value] = {}  # what a task's dependencies hold, as the shape rules see it
     task_keys: list[Key] = []
     task_estimates: list[Estimate] = []
@@ -574,7 +617,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             # the hashes they hold: a tuple key's hash is not kept, computing it costs)
             inputs.append(frozenset([resolve(d, d) for d in deps])
                           if aliases and not aliases.isdisjoint(deps) else deps)
-            same = _same_inputs(k, node, deps, values, chunks)
+            same = _same_inputs(k, node, deps, values, chunks) if share else None
             answer = shared.get(same) if same is not None else None
             if answer is None:
                 estimate, spec, handed_on, cacheable = describer.describe(k, node, deps, values)

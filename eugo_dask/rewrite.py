@@ -463,7 +463,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
             inner_on = inner_on_device.get(id(inner))
             if inner_on is None:
                 inner_on = inner_on_device[id(inner)] = sources_on_device(
-                    inner, is_inner_source, device)
+                    inner, is_inner_source, device, inner_on_device)
             args = (inner_on, *args[FUSED_INNER + 1:FUSED_DEPS], *refs)  # (inner comes first)
             kwargs: dict[str, Any] = NO_KWARGS
         else:
@@ -513,7 +513,8 @@ def _arguments_on_device(node: Task, on_device: _Transfers, reads: frozenset[Key
     if parts is not None:
         inner = parts.inner
         if id(inner) not in inner_on_device:
-            inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device)
+            inner_on_device[id(inner)] = sources_on_device(inner, is_inner_source, device,
+                                                           inner_on_device)
         rewritten[0] = inner_on_device[id(inner)]
     return tuple(rewritten), kwargs
 

@@ -634,15 +634,23 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_name: str) -> dict:
-    """Rewrite the inner graph of a fused task so its sources land on the device."""
+def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_name: str,
+                      done: dict[int, dict] | None = None) -> dict:
+    """Rewrite the inner graph of a fused task so its sources land on the device. ``done``:
+    the inner graphs rewritten so far, by the id of the original, read and filled in for the
+    ones nested in this one (a linearly fused chunk task's inner graph is its own, the
+    blockwise-fused one nested in it its layer's)."""
     out: dict[Any, Any] = {}
     for key, node in inner_dsk.items():
         parts = fused(node)
         if isinstance(node, DataNode) and is_source(node):
             out[key] = Task(key, OnDevice(_identity, device_name), DataNode(None, node.value))
         elif parts is not None:
-            inner = sources_on_device(parts.inner, is_source, device_name)
+            inner = done.get(id(parts.inner)) if done is not None else None
+            if inner is None:
+                inner = sources_on_device(parts.inner, is_source, device_name, done)
+                if done is not None:
+                    done[id(parts.inner)] = inner
             out[key] = Fused(inner, *parts[1:]).task(key)
         elif type(node) is Task and is_source(node):
             out[key] = Task(key, OnDevice(node.func, device_name), *node.args, **node.kwargs)

@@ -14,18 +14,25 @@ from typing import NamedTuple
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.base import tokenize
 
-from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, ChunkInfo, Fused, Key, fused, substitute_keys
+from eugo_dask.graph import FUSED_FUNC, ChunkInfo, Fused, Key, fused, substitute_keys
 from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node
 
 
-def task_families(node: GraphNode) -> set[Family]:
-    """The op families of the functions in a task (all of them, for a fused task)."""
+def task_families(node: GraphNode, known: dict[int, set[Family]] | None = None) -> set[Family]:
+    """The op families of the functions in a task (all of them, for a fused task). ``known``:
+    the families of fused tasks' inner graphs seen before, by identity, read and filled in (a
+    linearly fused chunk task's inner graph is its own, the blockwise-fused one nested in it
+    its layer's)."""
     parts = fused(node)
-    if parts is not None:
-        return set().union(*map(task_families, parts.inner.values()))
-    if type(node) is not Task:
-        return set()
-    return {classify_node(node)[0]}
+    if parts is None:
+        return {classify_node(node)[0]} if type(node) is Task else set()
+    if known is None:
+        return set().union(*[task_families(n) for n in parts.inner.values()])
+    families = known.get(id(parts.inner))
+    if families is None:
+        families = known[id(parts.inner)] = set().union(
+            *[task_families(n, known) for n in parts.inner.values()])
+    return families
 
 
 def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key, GraphNode]:
@@ -48,10 +55,7 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
         once per inner graph: a blockwise layer's tasks share theirs)."""
         if type(node) is not Task or node.func is not FUSED_FUNC:  # (is_fused, narrowing)
             return False
-        inner = node.args[FUSED_INNER]  # (no Fused made: once per task of large graphs)
-        families = families_of.get(id(inner))
-        if families is None:
-            families = families_of[id(inner)] = task_families(node)
+        families = task_families(node, families_of)
         return bool(families & GPU_FAMILIES and families & CPU_ONLY_FAMILIES)
 
     pending = [(key, node) for key, node in dsk.items() if mixed(node)]

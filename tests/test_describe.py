@@ -51,7 +51,7 @@ def _reads_with_edges():
     return (da.exp(x) @ x.T).sum(axis=0)
 
 
-def _described(collection):
+def _described(collection, share=True):
     graph, keys = collection.__dask_graph__(), collection.__dask_keys__()
     chunks = ChunkInfo.from_graph(graph)
     dsk = split_mixed_tasks(task_spec_dict(dask_optimize(graph, keys)), chunks)
@@ -65,24 +65,37 @@ def _described(collection):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(describe_module, "_follow", counting)
-        description = describe_graph(dsk, chunks, _profile(_current_settings()))
+        description = describe_graph(dsk, chunks, _profile(_current_settings()), share=share)
     return description, follows
 
 
 @pytest.mark.parametrize(("build", "fewer"), [(_matmul_tree, 4), (_pipeline, 4),
                                              (_two_trees, 2), (_legacy_random_with_edges, 1)])
-def test_chunks_share_the_work_of_their_description_not_its_answer(h200_server, build, fewer,
-                                                                   monkeypatch):
+def test_chunks_share_the_work_of_their_description_not_its_answer(h200_server, build, fewer):
     shared, shared_follows = _described(build())
-    # each chunk on its own: no shapes of fused graphs, seeds told apart
-    monkeypatch.setattr(describe_module, "_shape", lambda *args: None)
-    monkeypatch.setattr(describe_module, "_RANDOM_STATE", ())
-    alone, alone_follows = _described(build())
+    alone, alone_follows = _described(build(), share=False)  # each chunk on its own
     assert shared.order == alone.order
     assert shared.specs == alone.specs
     assert shared.estimates == alone.estimates
     assert shared.inputs == alone.inputs
     assert shared_follows * fewer <= alone_follows, (shared_follows, alone_follows)
+
+
+def test_linearly_fused_chunks_are_followed_once_per_class_of_chunk(h200_server):
+    """Random chunks through an elementwise chain into a partial sum: Dask's linear fusion
+    gives each chunk an inner graph of its own (its seed, its keys, its random call's keyword
+    arguments in a dict of their own). Chunks of one shape are followed once: 12 x 6 blocks of
+    4 shapes (each chunk task two follows: its blockwise-fused part is nested), then the tree's
+    levels (148 follows before: each chunk's keywords were told apart by identity)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PerformanceWarning)
+        x = da.random.default_rng(0).random((230, 170), chunks=(20, 30))
+        collection = ((x + 1) * 2).sum(axis=0)
+    shared, shared_follows = _described(collection)
+    alone, alone_follows = _described(collection, share=False)
+    assert shared.estimates == alone.estimates
+    assert alone_follows >= 2 * 12 * 6
+    assert shared_follows <= 2 * 4 + 4, (shared_follows, alone_follows)
 
 
 def test_reads_are_described_without_being_followed(h200_server, monkeypatch):

@@ -136,11 +136,14 @@ def check_pass_overhead(out: str) -> None:
     # --quick: blocks 1, 2, 8, 16 (a one-chunk graph's fixed costs up to ~6,000 tasks)
     assert len(rows) == 4 and all(float(r[3]) > 0 for r in rows)
     assert [int(r[0]) for r in rows] == sorted(int(r[0]) for r in rows) and int(rows[-1][0]) > 5000
-    # other shapes of graph: a row each, with both ratios
-    shapes = {line.split()[0]: line.split() for line in out.splitlines()
-              if line.startswith(("reads ", "random ", "stencil "))}
-    assert set(shapes) == {"reads", "random", "stencil"}
-    assert all(int(r[1]) > 500 and float(r[4]) > 0 and float(r[6]) > 0 for r in shapes.values())
+    # other shapes of graph: a row each (--quick: one size), with both ratios; the chains, the
+    # tree and the stencil at ~6,000 tasks
+    names = ("reads", "random", "chain", "chain-sum", "matmul-sum", "stencil")
+    shapes = [line.split() for line in out.splitlines() if line.startswith(tuple(
+        f"{name} " for name in names))]
+    assert [r[0] for r in shapes] == list(names)
+    assert all(int(r[1]) > 500 and float(r[4]) > 0 and float(r[6]) > 0 for r in shapes)
+    assert all(int(r[1]) > 4500 for r in shapes[2:])
     # the scheduler submission: both graphs, a row per mode, the graph taken (tasks held), eugo's
     # loop blocking, update-graph time and memory as ratios to plain's
     submitted = {(line.split()[0], line.split()[1]): line.split() for line in out.splitlines()
