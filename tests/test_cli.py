@@ -214,7 +214,7 @@ def test_explain_wrong_settings_from_the_environment(script, env, match):
         (["calibrate", "--threads", "0"], r"--threads must be a whole number >= 1 .*; got 0$"),
         (["calibrate", "--threads", "two"], r"^Error: Invalid value for '--threads': 'two' is not a "
                                             r"valid integer\. Try 'eugo-dask calibrate --help'\.$"),
-        (["calibrate", "--gpu-preset", "h300"], r"^Error: --gpu-preset must be one of a100, .*h200.*; "
+        (["calibrate", "--gpu-preset", "h300"], r"^Error: --gpu-preset must be one of a10, a100, .*h200.*; "
                                                 r"got 'h300'$"),
         (["calibrate", "--quick", "-o", "/nonexistent/dir/x.yaml"],
          r"^Error: --output '/nonexistent/dir/x\.yaml': no directory '/nonexistent/dir'; "
