@@ -130,17 +130,35 @@ def context_meter() -> Any:
 
 
 # --- the local scheduler a graph computed here runs on --------------------------------------------
+def compute_get() -> Any:
+    """The scheduler function ``compute`` would use now (``dask.base.get_scheduler``), or None.
+    A default asynchronous distributed client (``gen_cluster`` tests, ``Client(asynchronous=True)``)
+    gives its ``get``: Dask refuses to hand one to synchronous code, and the pass is synchronous
+    code inside that client's own ``compute``/``persist`` or ``dask.optimize``."""
+    from dask.base import get_scheduler
+
+    try:
+        return get_scheduler()
+    except RuntimeError:  # "Attempting to use an asynchronous Client in a synchronous context"
+        client = sys.modules.get("distributed.client")
+        if client is None:
+            raise
+        try:
+            return client.default_client().get
+        except ValueError:  # no default client after all: not the refusal above
+            return None
+
+
 def local_scheduler() -> tuple[str, int] | None:
     """How a graph computed here runs, as dask.config says (``scheduler``, ``num_workers``, a
     default distributed client): ``("threads" or "processes", how many)``, or None for a
     distributed client or a scheduler of another kind. A ``scheduler=`` argument of
     ``compute`` is not seen by the optimization that calls this."""
     from dask import local, threaded
-    from dask.base import get_scheduler
     from dask.system import CPU_COUNT
 
     named = dask.config.get("scheduler", None) is not None
-    scheduler = get_scheduler() if named or "distributed" in sys.modules else None
+    scheduler = compute_get() if named or "distributed" in sys.modules else None
     workers = dask.config.get("num_workers", None) or CPU_COUNT
     if scheduler is None or scheduler is threaded.get:
         return ("threads", workers)

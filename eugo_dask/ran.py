@@ -49,6 +49,7 @@ from typing import Any
 from dask.callbacks import Callback
 from dask.utils import key_split
 
+from eugo_dask.context import compute_get
 from eugo_dask.devices.stats import device_stats
 from eugo_dask.graph import EUGO_PREFIXES
 from eugo_dask.pass_log import recent_plans
@@ -208,10 +209,9 @@ def _default_client() -> Any:
     """The distributed client ``compute`` would use now, or None (a local scheduler)."""
     if "distributed" not in sys.modules:
         return None
-    from dask.base import get_scheduler
     from distributed import Client
 
-    owner = getattr(get_scheduler(), "__self__", None)
+    owner = getattr(compute_get(), "__self__", None)
     return owner if isinstance(owner, Client) else None
 
 

@@ -133,3 +133,22 @@ def test_process_cluster_starts_its_scheduler_again_where_its_port_was_taken(tmp
             assert not ports  # the taken port was tried first
             assert cluster.address != f"tcp://127.0.0.1:{taken_port}"
             assert client.submit(sum, [1, 2]).result(timeout=30) == 3
+
+
+@gen_cluster(client=True, nthreads=[gpu_worker(), cpu_worker()], config=emulated_settings())
+async def test_an_asynchronous_default_client_is_planned_for_not_a_pass_failure(c, s, gpu, cpu):
+    # Dask refuses to hand an asynchronous client to synchronous code (get_scheduler raises);
+    # the pass asked it which scheduler it runs on and failed: the graph ran unchanged, counted
+    # as a pass error (distributed's test_compute_nested_containers and
+    # test_annotations_survive_optimization with eugo on)
+    from eugo_dask.pass_log import pass_stats
+
+    before = pass_stats()
+    (optimized,) = dask.optimize(pipeline())  # synchronous code under an asynchronous client
+    result = await c.compute({"x": [pipeline()], "y": 123})  # a container: planned here
+    after = pass_stats()
+    assert after["pass_errors"] == before["pass_errors"]
+    assert after["graphs_planned"] >= before["graphs_planned"] + 2
+    assert_eq(result["x"][0], EXPECTED) and result["y"] == 123
+    assert_eq(await c.compute(optimized), EXPECTED)
+    assert device_tasks(gpu) > 0
