@@ -162,6 +162,9 @@ class Settings:
     emulated_memory_limit: int
     learn: bool = False
     history: str | None = None
+    #: ``eugo.dispatch`` and ``eugo.dual-from`` (see eugo.yaml)
+    dispatch: str = "static"
+    dual_from: float = 0.05
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -279,6 +282,9 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
 _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
                 "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer",
                 "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results", "eugo.gpus-per-process")
+#: The values of ``eugo.dispatch``: the plan fixes every task, or tasks where neither device
+#: dominates are placed at run time.
+DISPATCH = ("static", "dual")
 #: The values of ``eugo.gpus-per-process``.
 GPUS_PER_PROCESS = ("one", "all")
 #: Every key the device path reads (:func:`device_setting_problems` depends on these only).
@@ -370,6 +376,9 @@ def read_settings() -> Settings:
     if not isinstance(learn, bool):
         raise ValueError(f"eugo.learn must be true or false; got {learn!r}")
     history = history_path()
+    dispatch = _setting("eugo.dispatch")
+    if dispatch not in DISPATCH:
+        raise ValueError(f"eugo.dispatch must be one of {list(DISPATCH)}; got {dispatch!r}")
     return Settings(
         device=device,
         profile=check_profile_spec(_setting("eugo.profile")),
@@ -382,6 +391,8 @@ def read_settings() -> Settings:
         emulated_memory_limit=memory_limit_bytes,
         learn=learn,
         history=history,
+        dispatch=dispatch,
+        dual_from=_number("eugo.dual-from", _setting("eugo.dual-from"), minimum=0),
     )
 
 

@@ -85,6 +85,19 @@ def current_worker() -> Any:
         return None
 
 
+def granted_resources() -> dict[str, float] | None:
+    """The resources the distributed worker running this thread's task holds for it (what the
+    scheduler asked of the task, as the worker acquired them before starting it), or None
+    outside a task of a distributed worker."""
+    module = sys.modules.get("distributed.worker")
+    worker = current_worker()
+    if module is None or worker is None:
+        return None
+    key = getattr(module.thread_state, "key", None)
+    ts = worker.state.tasks.get(key) if key is not None else None
+    return dict(ts.resource_restrictions or {}) if ts is not None else None
+
+
 def running_workers() -> list[Any]:
     """The distributed workers running (or paused) in this process."""
     module = sys.modules.get("distributed.worker")

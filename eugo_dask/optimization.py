@@ -130,7 +130,8 @@ class _Described(NamedTuple):
                      device_memory_bytes=_device_memory_bytes(
                          settings, settings.device, self.profile.gpu.memory_bytes),
                      gpu_tasks_per_device=_gpu_tasks_per_device(settings, self.profile),
-                     cold=_cold_start(device, self.profile))
+                     cold=_cold_start(device, self.profile),
+                     dual_from=settings.dual_from if settings.dispatch == "dual" else None)
 
 
 def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
@@ -330,16 +331,22 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     """split -> describe -> place -> rewrite; ``dsk`` itself where nothing goes to the GPU."""
     original = graph
     described = _split_and_describe(graph, keys, chunks, settings, profile)
+    resource = _resource_asked(settings)
+    if resource is not None and settings.dispatch == "dual":
+        # no eugo plugin here to place dual tasks as they become ready: they would all run
+        # their CPU path, as the static plan places them
+        settings = Settings(**{**settings.to_dict(), "dispatch": "static"})
     plan = described.place(settings)
     gpu_keys = plan.gpu_keys  # (a pass over every decision: once)
+    dual_keys = plan.dual_keys
     graph = described.graph
     plan_id = record_plan({
         "time": time.time(), "profile": plan.profile_name, "tasks": len(plan),
-        "gpu_tasks": len(gpu_keys),
+        "gpu_tasks": len(gpu_keys), "dual_tasks": len(dual_keys),
         **{k: plan.totals[k] for k in ("all_cpu", "all_gpu", "as_chosen")},
         # the work, for the bound on the machine it runs on (the scheduler plugin's)
         "work": work_groups(described.description, profile.cpu.threads)})
-    if not gpu_keys:
+    if not gpu_keys and not dual_keys:
         if settings.learn:
             _expect_timings(plan, settings, {})
         return dsk
@@ -348,10 +355,10 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     # planned for a local scheduler, the tasks carry the settings: a processes scheduler's pool
     # processes have Dask's defaults (a cluster's workers use their own)
     device = settings.device if submission else PlannedDevice.here(settings.device)
-    how = Rewrite(device, _resource_asked(settings), _token(settings, profile),
+    how = Rewrite(device, resource, _token(settings, profile),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {},
-                  plan_id)
+                  plan_id, settings.resource)
     rewritten = rewrite_graph(graph, plan, described.description, original,
                               flatten_keys(keys), how)
     if settings.learn:

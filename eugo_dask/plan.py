@@ -26,6 +26,12 @@ offload; a creation fused into a task runs on the host wherever the task does. A
 must beat the CPU by ``min_speedup`` on the work that moves (``0``: every task that can run on
 a device does).
 
+With ``dual_from`` set (``eugo.dispatch: dual``), a task kept on the CPU whose inputs all live
+on the host, and whose GPU path with its own copies in and back is predicted at least
+``dual_from`` times as fast (neither device dominates), is *dual*: placed on the CPU here (its
+result on the host, as its consumers see it), it carries both paths, and eugo's scheduler
+plugin sends it to a CPU thread or a GPU slot as it becomes ready (:mod:`eugo_dask.dispatch`).
+
 The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
 the copies it makes, and the sets the rewrite needs. Nothing here touches tasks' execution or
 CuPy.
@@ -79,19 +85,23 @@ class Decision:
     """
 
     __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
-                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move", "_sharing")
+                 "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move", "_sharing",
+                 "dual")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None,
                  cold: tuple[float, float, float] | None = None,
-                 move: MoveRule | None = None, sharing: int = 1) -> None:
+                 move: MoveRule | None = None, sharing: int = 1,
+                 dual: DualCost | None = None) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
         self._estimate, self._spec, self._lanes = estimate, spec, lanes
         self._d2h_in_s, self._min_speedup, self._memory_limit = d2h_in_s, min_speedup, memory_limit
         self._cold, self._move, self._sharing = cold, move, sharing
+        #: a dual task's seconds either way (None: its placement is fixed)
+        self.dual = dual
 
     @property
     def prefix(self) -> str:
@@ -177,6 +187,10 @@ class Decision:
         cmp = ">=" if self.device == GPU else "<"
         text = (f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} "
                 f"{self._min_speedup:g}){either}")
+        if self.dual is not None:
+            text += (f"; dual: the scheduler picks per task, a CPU thread "
+                     f"{format_seconds(self.dual.thread_s)} or a GPU slot "
+                     f"{format_seconds(self.dual.slot_s)} with its copies")
         if self.measured:
             models = [f"{name} {format_seconds(model)}" for name, model in
                       (("CPU", est.cpu_model_s), ("GPU", est.gpu_model_s)) if model is not None]
@@ -187,6 +201,7 @@ class Decision:
         names = ("key", "prefix", "op", "detail", "shape", "dtype", "bytes", "flops", "cpu_s",
                  "gpu_s", "h2d_s", "d2h_s", "device", "reason", "measured")
         out = {name: getattr(self, name) for name in names}
+        out["dual"] = self.dual._asdict() if self.dual is not None else None
         out["cpu_model_s"], out["gpu_model_s"] = self._estimate.cpu_model_s, self._estimate.gpu_model_s
         out["key"] = str(self.key)
         out["shape"] = list(self.shape) if self.shape is not None else None
@@ -194,6 +209,15 @@ class Decision:
 
     def __repr__(self) -> str:
         return f"Decision({self.key!r}, {self.device!r}, {self.reason!r})"
+
+
+class DualCost(NamedTuple):
+    """What a dual task costs either way, as the scheduler plugin weighs it: ``thread_s`` on
+    one CPU thread; ``slot_s`` holding a GPU slot, its inputs copied in and its result copied
+    back inside the task (:class:`~eugo_dask.runtime.DualCall`)."""
+
+    thread_s: float
+    slot_s: float
 
 
 class ColdStart(NamedTuple):
@@ -259,6 +283,11 @@ class Plan:
     def gpu_keys(self) -> list[Key]:
         return [k for k, d in self.decisions.items() if d.device == GPU]
 
+    @property
+    def dual_keys(self) -> list[Key]:
+        """The tasks that carry both paths (``eugo.dispatch: dual``), placed at run time."""
+        return [k for k, d in self.decisions.items() if d.dual is not None]
+
     def needs_host(self, key: Key) -> bool:
         """Whether the GPU task ``key`` must copy its result back (an output or a CPU consumer
         needs NumPy)."""
@@ -291,6 +320,11 @@ class Plan:
 
     def _copies(self) -> str:
         text = copies_text(*self.copies)
+        dual = Counter(d.prefix for d in self if d.dual is not None)
+        if dual:
+            text += (f"\ndual: {sum(dual.values())} tasks carry both paths, placed as they "
+                     f"become ready by eugo's scheduler plugin (CPU without it): "
+                     + ", ".join(f"{prefix} {n}" for prefix, n in dual.items()))
         return text if self.schedule is None else f"{text}\n{self.schedule.text()}"
 
     def __str__(self) -> str:
@@ -348,6 +382,7 @@ def place(
     device_memory_bytes: float,
     gpu_tasks_per_device: int = 1,
     cold: ColdStart | None = None,
+    dual_from: float | None = None,
     _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
 ) -> Plan:
     """Place every described task of ``dsk`` (see the module docstring).
@@ -371,6 +406,9 @@ def place(
         (offload whatever can be), the graph's GPU work taken together, the start added, must
         still beat its CPU time by ``min_speedup``; otherwise the graph stays on the CPU, and
         the tasks that would have gone to the GPU say why.
+    dual_from
+        ``eugo.dispatch: dual``: the lowest predicted speedup of a dual task (see the module
+        docstring); None: every placement is fixed here.
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, and helpers only on its rarer
@@ -406,6 +444,7 @@ def place(
     gpu_cpu_s = 0.0  # the CPU time of the tasks placed on the GPU
     to_device = to_device_bytes = to_host = to_host_bytes = 0  # the copies made so far
     kept: list[_Kept] = []
+    dual: DualCost | None = None  # (set for the task at hand where it carries both paths)
     # the described tasks in dependency order, their estimates, what they read and what they
     # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
@@ -482,6 +521,10 @@ def place(
         else:
             placement = CPU
             chosen = cpu_total - made
+            if (dual_from is not None and capable and not too_big and not host_move
+                    and not device_paid and _not_starting is None):
+                dual = _dual_cost(est, max(est.in_bytes, input_bytes), cpu_total, lanes,
+                                  profile.cpu.threads, dual_from, h2d_s, d2h_s)
             if host_move and est.in_bytes <= input_bytes:  # (see _moves_that_follow)
                 kept.append((k, inputs, est, spec, cpu_s, lanes))
             if device_paid:  # copied back to the host (once, whoever pays)
@@ -497,7 +540,8 @@ def place(
                                 task_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
                                 else None, STAYS if host_move and placement == CPU else None,
-                                sharing)
+                                sharing, dual)
+        dual = None
     needed_on_host = _host_consumed(description, decisions, outputs, read_by_undescribed)
     follow = _moves_that_follow(kept, seen, needed_on_host)
     if follow:
@@ -526,6 +570,24 @@ def place(
         host_needed=frozenset(needed_on_host.intersection(on_gpu)),
         copies=Copies(to_device, to_device_bytes, to_host, to_host_bytes),
     )
+
+
+def _dual_cost(est: Estimate, in_bytes: int, cpu_total: float, lanes: int, threads: int,
+               dual_from: float, h2d_s: Callable[[int], float], d2h_s: Callable[[int], float]
+               ) -> DualCost | None:
+    """What a task the walk keeps on the CPU, its inputs on the host, costs either way, where
+    it carries both paths: its GPU path, all its ``in_bytes`` copied in and its result back
+    (the task makes its own copies), predicted at least ``dual_from`` times as fast as its CPU
+    time among its siblings (``cpu_total`` over ``lanes``), the host work fused into it left out
+    as the margin leaves it out. None where the CPU dominates."""
+    slot_s = est.gpu_s + h2d_s(in_bytes) + d2h_s(est.out_bytes)
+    moving_gpu = slot_s - est.host_s
+    speedup = (cpu_total - est.host_s / lanes) / moving_gpu if moving_gpu > 0 else math.inf
+    if speedup < dual_from:
+        return None
+    # (a CPU estimate that is not per thread is BLAS on the profile's threads: one thread runs
+    # it that many times longer, as the schedule model has it)
+    return DualCost(est.cpu_s * (1 if est.cpu_parallel else threads), slot_s)
 
 
 #: A data movement :func:`place` kept on the CPU, for :func:`_moves_that_follow`: its key,

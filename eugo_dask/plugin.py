@@ -26,6 +26,13 @@ own). What it does with the annotations the rewrite puts on every task
 - a GPU task whose user restrictions no GPU worker meets (``resources={"MEM": 1}`` with ``MEM`` on
   CPU workers only, ``workers=`` naming CPU workers, loose ones) runs its CPU path where they
   allow, with one warning per graph; so do pending ones when the GPU workers that met them leave;
+- dual tasks (``eugo.dispatch: dual``: they carry both paths) are placed as they become ready,
+  when their last input is made (in the ``transition`` hook, before the scheduler acts on the
+  recommendation), or at once where their inputs exist already: on the CPU worker thread or GPU
+  slot expected to finish them first (:class:`~eugo_dask.dispatch.Ledger`, kept current by
+  transitions), restricted to that worker (a GPU slot also asks for one unit of the resource).
+  A task is decided once; only one pinned to a worker that left, and waiting again, is decided
+  anew. Where anything goes wrong the task stays unrestricted and runs its CPU path;
 - every worker gets :class:`~eugo_dask.worker.EugoWorkerPlugin`: it checks the worker's own
   settings, reports a GPU worker that cannot use a device, and makes device arrays land as host
   arrays where they cannot be held.
@@ -45,6 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -55,6 +63,7 @@ from distributed.protocol.pickle import dumps
 
 from eugo_dask.config import check_keys, gpu_workers_on_demand, read_resource
 from eugo_dask.dashboard import install as install_dashboard
+from eugo_dask.dispatch import CPU_UNIT, GPU_UNIT, Ledger, UnitKind
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
@@ -63,6 +72,7 @@ from eugo_dask.rewrite import (
     COPY_ROLES,
     CPU_ROLE,
     DEVICE_ROLES,
+    DUAL_ROLE,
     GPU_ROLE,
     HOST_ROLE,
     TODEVICE_ROLE,
@@ -171,6 +181,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         #: the machine use of the recent graphs placed, newest last, and of each pending task
         self.usage: deque[GraphUsage] = deque(maxlen=MAX_USAGE)
         self._usage_of: dict[Key, GraphUsage] = {}
+        self.dual = _DualDispatch(self.resource)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
@@ -245,6 +256,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self._estimates[key] = (role["cpu_s"], role["est_s"])
             if kind == CPU_ROLE:
                 self.cpu_keys.add(key)
+            elif kind == DUAL_ROLE:
+                if not _restricted(ts):  # (else: its CPU path, where the user said)
+                    self.dual.add(key, ts.prefix.name, role.get("cpu_s"), role.get("est_s"))
             elif kind in DEVICE_ROLES:
                 self.gpu_keys.add(key)
                 wanted = self._asking_for_device(ts, kind, asked)
@@ -261,6 +275,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     self.host_restricted.add(key)
         if rerouted:
             self._say_rerouted(scheduler, rerouted, "GPU-planned tasks", "")
+        self.dual.decide_ready(scheduler, [scheduler.tasks[k] for k in roles
+                                           if k in self.dual.costs and k in scheduler.tasks])
 
     def _new_usage(self, scheduler: Scheduler, roles: dict) -> GraphUsage:
         """The record of a graph's machine use, with the machine it is placed on now and its
@@ -382,6 +398,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         ws = scheduler.workers.get(worker)
         if ws is None:
             return
+        self.dual.worker_joined(ws)
         if ws.resources.get(self.resource):
             self._gpu_addresses.add(worker)
             return
@@ -395,6 +412,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._guard("remove_worker", self._worker_left, scheduler, worker, stimulus_id)
 
     def _worker_left(self, scheduler: Scheduler, worker: str, stimulus_id: str) -> None:
+        self.dual.worker_left(scheduler, worker, stimulus_id)
         self.workers_without_device.pop(worker, None)
         self.invalid_settings.pop(worker, None)
         for key in self.host_restricted:
@@ -427,6 +445,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                                   stimulus_id=f"eugo-reroute-{stimulus_id}")
 
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if (self.dual.costs or self.dual.charged) and (start == "processing"
+                                                        or finish == "processing"):
+            self._guard("dispatch", self.dual.transition, self.scheduler, key, start, finish,
+                        kwargs.get("startstops"))
         if finish == "memory" and start == "processing":
             startstops = kwargs.get("startstops") or ()
             self._guard("transition", self._count, key, kwargs.get("worker"), startstops)
@@ -441,6 +463,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self.host_restricted.discard(key)
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
+            self.dual.forget(key)
 
     def _watch_backlog(self, key: Key) -> None:
         """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
@@ -613,7 +636,157 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "errors": self.errors,
             "plans": recent_plans(),  # the pass's, in this process (the dashboard shows them)
             "usage": [u.to_dict() for u in self.usage],
+            "dual": dict(self.dual.sent),
         }
+
+
+class _DualDispatch:
+    """The scheduler's side of run-time dispatch (see the module docstring): the dual tasks of
+    the graphs placed, the ledger of units (:class:`~eugo_dask.dispatch.Ledger`) and where each
+    task was sent. Its methods run inside the plugin's hooks, guarded there: whatever fails
+    leaves a task unrestricted, and a dual task without the GPU slot runs its CPU path."""
+
+    def __init__(self, resource: str) -> None:
+        self.resource = resource
+        self.ledger = Ledger()
+        #: dual tasks not forgotten -> (prefix, seconds on a CPU thread, on a GPU slot)
+        self.costs: dict[Key, tuple[str, float, float]] = {}
+        #: decided dual tasks -> (the kind of unit and the worker they were sent to)
+        self.sent_to: dict[Key, tuple[UnitKind, str | None]] = {}
+        #: tasks on the ledger -> (worker, kind, unit, expected end)
+        self.charged: dict[Key, tuple[str, UnitKind, int, float]] = {}
+        #: decisions made, by kind (what the plugin decided; workers report where tasks ran)
+        self.sent: Counter[str] = Counter()
+        self._workers_known = False
+
+    def add(self, key: Key, prefix: str, thread_s: Any, slot_s: Any) -> None:
+        if _is_seconds(thread_s) and _is_seconds(slot_s):
+            self.costs[key] = (prefix, float(thread_s), float(slot_s))
+
+    def _know_workers(self, scheduler: Scheduler) -> None:
+        if not self._workers_known:
+            self._workers_known = True
+            for ws in scheduler.workers.values():
+                self.worker_joined(ws)
+
+    def worker_joined(self, ws: Any) -> None:
+        slots = int(ws.resources.get(self.resource, 0) or 0)
+        self.ledger.set_worker(ws.address, threads=0 if slots else ws.nthreads, slots=slots,
+                               now=time.time())
+
+    def decide_ready(self, scheduler: Scheduler, tasks: list[TaskState]) -> None:
+        """Decide the dual ``tasks`` whose inputs all exist already (roots among them), in
+        Dask's order."""
+        ready = [ts for ts in tasks if ts.key not in self.sent_to and ts.state in _PENDING
+                 and all(d.state == "memory" for d in ts.dependencies)]
+        for ts in sorted(ready, key=lambda t: t.priority or ()):
+            self.decide(scheduler, ts)
+
+    def decide(self, scheduler: Scheduler, ts: TaskState) -> None:
+        """Send dual task ``ts`` (not started) to the unit expected to finish it first."""
+        self._know_workers(scheduler)
+        prefix, thread_s, slot_s = self.costs[ts.key]
+        now = time.time()
+        choice = self.ledger.choose(prefix, thread_s, slot_s, now)
+        self.sent_to[ts.key] = (choice.kind, choice.worker)
+        self.sent[choice.kind] += 1
+        if choice.worker is not None:
+            seconds = self.ledger.seconds(prefix, choice.kind, thread_s if choice.kind == CPU_UNIT
+                                          else slot_s)
+            charged = self.ledger.charge(choice.worker, choice.kind, seconds, now)
+            if charged is not None:
+                self.charged[ts.key] = (choice.worker, choice.kind, *charged)
+        if choice.kind == GPU_UNIT and choice.worker is not None:
+            ts.resource_restrictions = {self.resource: 1}
+            ts.worker_restrictions = {choice.worker}
+            ts.loose_restrictions = False
+        elif choice.worker is not None:  # (loose: any worker, should this one leave)
+            ts.worker_restrictions = {choice.worker}
+            ts.loose_restrictions = True
+        _task_logger.debug("dual %s -> %s %s, expected to finish in %.3g s", ts.key,
+                           choice.kind, choice.worker, choice.finish - now)
+
+    def transition(self, scheduler: Scheduler | None, key: Key, start: str, finish: str,
+                   startstops: Any) -> None:
+        if scheduler is None:
+            return
+        if start == "processing":
+            self._left_worker(key, finish, startstops)
+        if finish == "memory" and start == "processing":
+            ts = scheduler.tasks.get(key)
+            for dts in ts.dependents if ts is not None else ():
+                if (dts.key in self.costs and dts.key not in self.sent_to
+                        and dts.state == "waiting" and not dts.waiting_on):
+                    self.decide(scheduler, dts)
+        elif finish == "processing" and key not in self.charged:
+            self._charge_other(scheduler, key)
+
+    def _charge_other(self, scheduler: Scheduler, key: Key) -> None:
+        """Put a task other than a dual one on the ledger of the worker it was sent to: the
+        dual tasks decided later wait behind it (its prefix's mean duration as distributed
+        measured it, else its plan's estimate, else nothing)."""
+        ts = scheduler.tasks.get(key)
+        ws = ts.processing_on if ts is not None else None
+        if ts is None or ws is None or not self.costs:
+            return
+        gpu = (ts.resource_restrictions or {}).get(self.resource, 0) >= 1
+        role = (ts.annotations or {}).get("eugo") or {}
+        seconds: Any = ts.prefix.duration_average
+        if not seconds or seconds < 0:
+            seconds = role.get("est_s") if gpu else role.get("cpu_s")
+        if not _is_seconds(seconds):
+            return
+        kind: UnitKind = GPU_UNIT if gpu else CPU_UNIT
+        charged = self.ledger.charge(ws.address, kind, float(seconds), time.time())
+        if charged is not None:
+            self.charged[key] = (ws.address, kind, *charged)
+
+    def _left_worker(self, key: Key, finish: str, startstops: Any) -> None:
+        """A task left its worker (done, failed or released): settle the ledger, and learn
+        from a dual task's measured compute time."""
+        charged = self.charged.pop(key, None)
+        if charged is None:
+            return
+        worker, kind, unit, expected_end = charged
+        self.ledger.settle(worker, kind, unit, expected_end, time.time())
+        cost = self.costs.get(key)
+        if cost is not None and finish == "memory" and startstops:
+            prefix, thread_s, slot_s = cost
+            self.ledger.observe(prefix, kind, thread_s if kind == CPU_UNIT else slot_s,
+                                _compute_seconds(startstops))
+
+    def worker_left(self, scheduler: Scheduler, worker: str, stimulus_id: str) -> None:
+        """Dual tasks sent to ``worker`` and waiting again (they had not started, or it lost
+        them) are decided anew among the workers there are; those stuck without a worker go
+        to one."""
+        self.ledger.remove_worker(worker)
+        stuck = []
+        for key, (_, sent) in list(self.sent_to.items()):
+            ts = scheduler.tasks.get(key)
+            if sent != worker or ts is None or ts.state not in _WAITING:
+                continue
+            del self.sent_to[key]
+            self.charged.pop(key, None)
+            ts.resource_restrictions = None
+            ts.worker_restrictions = None
+            ts.loose_restrictions = False
+            if ts.state == "no-worker" or not ts.waiting_on:
+                self.decide(scheduler, ts)
+            if ts.state == "no-worker":
+                stuck.append(key)
+        if stuck:
+            scheduler.transitions({k: "processing" for k in stuck},
+                                  stimulus_id=f"eugo-dual-{stimulus_id}")
+
+    def forget(self, key: Key) -> None:
+        self.costs.pop(key, None)
+        self.sent_to.pop(key, None)
+        self.charged.pop(key, None)
+
+
+def _is_seconds(value: Any) -> bool:
+    """A finite, non-negative number of seconds."""
+    return _is_count(value)
 
 
 def _worker_report(scheduler: Scheduler, worker: str, report: Any) -> None:

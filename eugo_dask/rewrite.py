@@ -11,6 +11,10 @@ For every task the plan puts on the GPU, with key ``K`` (``("name", i, j)``):
   consumers read the copy); where nothing needs NumPy, ``K`` disappears (its GPU consumers read
   the device copy).
 
+A task the plan made dual (``eugo.dispatch: dual``) keeps reading its host inputs and runs
+through :class:`~eugo_dask.runtime.DualCall` (both paths, its result on the host); it carries
+role ``dual`` and its seconds either way, for the scheduler plugin that places it.
+
 Output keys, culling and persist keep working because every output key still exists and still
 holds NumPy. GPU and transfer tasks are annotated with the worker resource (``eugo.resource``)
 so a distributed scheduler can pin them; key prefixes start with
@@ -50,7 +54,7 @@ from eugo_dask.graph import (
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
 from eugo_dask.plan import Plan
-from eugo_dask.runtime import DeviceCall, sources_on_device, to_device, to_host
+from eugo_dask.runtime import DeviceCall, DualCall, sources_on_device, to_device, to_host
 from eugo_dask.unfuse import task_families
 
 _KEY_OF = operator.attrgetter("key")
@@ -110,13 +114,16 @@ def renamed_key(key: Key, token: str) -> Key:
 
 #: What a task of a rewritten graph is, carried to the scheduler in the ``eugo`` annotation:
 #: device work, a copy to or from the device, host work that belongs on CPU workers
-#: (aggregation, ``finalize``, I/O), or other work the plan kept on the CPU.
-Role = Literal["gpu", "todevice", "tohost", "host", "cpu"]
+#: (aggregation, ``finalize``, I/O), other work the plan kept on the CPU, or work that carries
+#: both paths, placed as it becomes ready (``dual``: its ``cpu_s`` is its seconds on one CPU
+#: thread, its ``est_s`` on a GPU slot, copies in and back included).
+Role = Literal["gpu", "todevice", "tohost", "host", "cpu", "dual"]
 GPU_ROLE: Final = "gpu"
 TODEVICE_ROLE: Final = "todevice"
 TOHOST_ROLE: Final = "tohost"
 HOST_ROLE: Final = "host"
 CPU_ROLE: Final = "cpu"
+DUAL_ROLE: Final = "dual"
 #: Roles that run on GPU workers (device work and the copies on either side of it).
 DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
 #: Roles that move data over the link: on a GPU worker, but never holding its GPU slot.
@@ -252,6 +259,8 @@ def written_by_eugo(node: Any) -> bool:
 def _rewritten_role(node: GraphNode) -> Role | None:
     if type(node) is not Task:
         return None
+    if isinstance(node.func, DualCall):
+        return DUAL_ROLE
     if isinstance(node.func, DeviceCall):
         return GPU_ROLE
     if node.func is to_device:
@@ -333,6 +342,9 @@ class Rewrite(NamedTuple):
     #: the plan's id in the pass's log (:mod:`eugo_dask.pass_log`), carried in every task's
     #: ``eugo`` annotation so the scheduler plugin finds the plan of the tasks it runs
     plan: str | None = None
+    #: the resource whose unit a dual task must be granted to run on the device
+    #: (``eugo.resource``)
+    slot_resource: str = "GPU"
 
 
 class Rewritten(NamedTuple):
@@ -440,8 +452,12 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     # (one decision per described task, in the order of the description's nodes)
     for (key, decision), node in zip(decisions.items(), description.task_nodes, strict=True):
         if decision.device != GPU:
-            role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
-            entry: RoleEntry = (role, decision.cpu_s, decision.cpu_s)
+            if decision.dual is not None:
+                out[key] = _dual_task(node, how, inner_on_device)
+                entry: RoleEntry = (DUAL_ROLE, *decision.dual)
+            else:
+                role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
+                entry = (role, decision.cpu_s, decision.cpu_s)
             roles[key] = entries.setdefault(entry, entry)
             continue
         func, args = node.func, node.args
@@ -495,7 +511,19 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
                      plan, on_device, renames)
 
 
-def _arguments_on_device(node: Task, on_device: _Transfers, reads: frozenset[Key],
+def _dual_task(node: Task, how: Rewrite, inner_on_device: dict[int, dict[Key, GraphNode]]
+               ) -> Task:
+    """The task of a dual ``node``: its function through :class:`DualCall`, reading its host
+    inputs as it did (the task copies them itself where it runs on the device), the sources
+    fused into it landing on the device on that path."""
+    reads = {d: TaskRef(d) for d in node.dependencies}
+    args, kwargs = _arguments_on_device(node, reads, node.dependencies, inner_on_device,
+                                        how.device)
+    call = DualCall(node.func, how.device, key_split(node.key), how.slot_resource)
+    return new_task(node.key, call, args, kwargs, node.dependencies, node.data_producer)
+
+
+def _arguments_on_device(node: Task, on_device: dict[Key, TaskRef], reads: frozenset[Key],
                          inner_on_device: dict[int, dict[Key, GraphNode]], device: str
                          ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The arguments and keyword arguments of a GPU task other than a fused one reading plain

@@ -50,7 +50,14 @@ from eugo_dask.config import (
     emulated_memory_limit,
     process_device,
 )
-from eugo_dask.context import close_worker, context_meter, current_worker, running_schedulers, running_workers
+from eugo_dask.context import (
+    close_worker,
+    context_meter,
+    current_worker,
+    granted_resources,
+    running_schedulers,
+    running_workers,
+)
 from eugo_dask.devices import (
     STICKY,
     CupyDevice,
@@ -762,6 +769,40 @@ class DeviceCall:
             return self.func(*args, **kwargs)
 
 
+class DualCall(DeviceCall):
+    """A task that can run on either device ("dual", ``eugo.dispatch: dual``): its inputs and
+    result live on the host, and the scheduler plugin decides where it runs just before it can
+    (:mod:`eugo_dask.dispatch`).
+
+    On a worker that granted it the GPU slot (one unit of ``resource``: the plugin asked for
+    it) it copies its host inputs to the device, runs there and copies its result back, all
+    inside the task, through the device's copy engine; a failure there runs its CPU path, as a
+    GPU task's does. Anywhere else (a CPU worker, a GPU worker's thread without the slot, a
+    local scheduler, a task the plugin could not decide) it runs its CPU path. Either way its
+    result is a host array, the CPU path's value."""
+
+    __slots__ = ("resource",)
+
+    def __init__(self, func: Callable[..., Any], device_name: str, prefix: str,
+                 resource: str, cpu_only: bool = False) -> None:
+        super().__init__(func, device_name, prefix, cpu_only)
+        self.resource = resource
+
+    def __reduce__(self):
+        return (DualCall, (self.func, self.device_name, self.prefix, self.resource,
+                           self.cpu_only))
+
+    def __repr__(self) -> str:
+        return f"DualCall({funcname(self.func)}, {self.device_name!r})"
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        granted = granted_resources()
+        if self.cpu_only or not granted or granted.get(self.resource, 0) < 1:
+            _ran(RAN_ON_CPU, self.prefix)
+            return self._cpu_path(args, kwargs)
+        return map_arrays(super()._run(args, kwargs), _to_host)
+
+
 def _host_value(value: Any, device_name: str) -> Any:
     """A re-routed host->device copy: the value stays on the host."""
     return value
@@ -771,9 +812,12 @@ def cpu_path_task(task: Any) -> Any:
     """``task`` (a GPU task or a copy to the device) rewritten to run its CPU path anywhere."""
     if type(task) is not Task:
         return task
-    if isinstance(task.func, DeviceCall):
-        func: Callable[..., Any] = DeviceCall(task.func.func, task.func.device_name,
-                                              task.func.prefix, cpu_only=True)
+    if isinstance(task.func, DualCall):
+        func: Callable[..., Any] = DualCall(task.func.func, task.func.device_name,
+                                            task.func.prefix, task.func.resource, cpu_only=True)
+    elif isinstance(task.func, DeviceCall):
+        func = DeviceCall(task.func.func, task.func.device_name, task.func.prefix,
+                          cpu_only=True)
     elif task.func is to_device:
         func = _host_value
     else:
@@ -786,5 +830,5 @@ def is_eugo_callable(func: Any) -> bool:
     return func in (to_device, to_host, _host_value) or isinstance(func, (DeviceCall, OnDevice))
 
 
-__all__ = ["DeviceCall", "OnDevice", "get_device", "is_eugo_callable", "to_device", "to_host",
+__all__ = ["DeviceCall", "DualCall", "OnDevice", "get_device", "is_eugo_callable", "to_device", "to_host",
            "usable_device"]
