@@ -18,7 +18,11 @@ under the policies
 - ``dmda``: each task, in Dask's order, where it finishes first, copies counted (StarPU's dmda),
   copies on the links: what run-time dispatch would do with exact estimates;
 - ``spill``: the plan's GPU tasks only, each where it finishes first (a GPU task spilled to an
-  idle CPU thread), copies in the GPU slot: dispatch that can only move GPU work to the CPU.
+  idle CPU thread), copies in the GPU slot: dispatch that can only move GPU work to the CPU;
+- ``dual``: the plan made with ``eugo.dispatch: dual``: its fixed tasks as ``static``, its dual
+  tasks each sent as it becomes ready to the CPU thread or GPU slot the scheduler plugin's rule
+  picks (the dual task's copies inside it, holding the slot). With ``--timed``, the dual tasks
+  are placed at run time by eugo's scheduler plugin itself.
 
 Each line: the makespan, the lower bound (LP, HiGHS) and their ratio, how busy the CPU threads
 and GPUs were, and whether the bound itself uses both kinds of device (``mixed``). This is the
@@ -61,7 +65,7 @@ MACHINES = [Machine(cpu_threads=32, gpus=1, name="32c+1g", **LINK),
 #: (label, policy, copies)
 POLICIES = [("static", "static", "link"), ("static-slot", "static", "slot"),
             ("all-cpu", "all-cpu", "link"), ("all-gpu", "all-gpu", "link"),
-            ("dmda", "dmda", "link"), ("spill", "spill", "slot")]
+            ("dmda", "dmda", "link"), ("spill", "spill", "slot"), ("dual", "dual", "link")]
 
 
 def graphs(scale: int, store: str) -> dict[str, Callable[[], Any]]:
@@ -133,7 +137,8 @@ def zarr_store(directory: str, scale: int) -> str:
 
 
 def costs_of(collection: Any) -> Costs:
-    with dask.config.set({"eugo.profile": PROFILE, "eugo.device": "none"}):
+    # (dispatch dual: the same placement, its dual tasks marked; static ignores the marks)
+    with dask.config.set({"eugo.profile": PROFILE, "eugo.device": "none", "eugo.dispatch": "dual"}):
         plan = explain(collection)
     if plan.schedule is None:
         raise SystemExit(f"{len(plan)} tasks: more than explain() simulates")
@@ -206,6 +211,10 @@ def _summary(records: list[dict[str, Any]]) -> None:
                  for g, m in mixed]
         print(f"where the bound uses both kinds of device ({len(mixed)} graph x machine): "
               f"static / dmda from {min(gains):.2f}x to {max(gains):.2f}x")
+    if mixed and all((g, m, "dual") in key for g, m in mixed):
+        gains = [key[(g, m, "static")]["makespan_s"] / key[(g, m, "dual")]["makespan_s"]
+                 for g, m in mixed]
+        print(f"where mixed: static / dual from {min(gains):.2f}x to {max(gains):.2f}x")
     overlap = [key[(g, m, "static-slot")]["makespan_s"] / key[(g, m, "static")]["makespan_s"]
                for (g, m, p) in key if p == "static"]
     print(f"copies off the GPU slot, same placement: static-slot / static from "

@@ -19,7 +19,12 @@ place that reads it; outputs end on the host.
   them), is queued on the unit where it finishes first. ``static`` keeps the plan's
   placement, ``all-cpu`` and ``all-gpu`` what they say, ``dmda`` chooses per task between
   the CPU threads and the devices by earliest finish, copies included (StarPU's dmda);
-  ``spill`` does so for the plan's GPU tasks only (the CPU ones stay). Copies run on the
+  ``spill`` does so for the plan's GPU tasks only (the CPU ones stay); ``dual`` keeps the
+  plan's placement except for its dual tasks (``eugo.dispatch: dual``), each sent as it becomes
+  ready where the scheduler plugin's rule (:meth:`eugo_dask.dispatch.Ledger.choose`) sends it:
+  a CPU thread, or a GPU slot that it holds while it copies its inputs in, runs and copies its
+  result back (the copies inside the task, as :class:`~eugo_dask.runtime.DualCall` makes
+  them; the links' other copies do not wait for them). Copies run on the
   links (``copies="link"``: eugo's copy tasks ask for none of the GPU slot and overlap the
   kernels) or, as they did when they held the GPU resource, in the device's slot (``"slot"``).
 
@@ -40,14 +45,15 @@ from dask.typing import NestedKeys
 
 from eugo_dask.cost_model import Estimate
 from eugo_dask.describe import GraphDescription
+from eugo_dask.dispatch import GPU_UNIT, Ledger
 from eugo_dask.graph import ArraySpec, Key, flatten_keys
 from eugo_dask.ops import GPU
 from eugo_dask.plan import Plan
 from eugo_dask.profile import Profile
 from eugo_dask.report import format_seconds
 
-Policy = Literal["static", "all-cpu", "all-gpu", "dmda", "spill"]
-POLICIES: Final[tuple[Policy, ...]] = ("static", "all-cpu", "all-gpu", "dmda", "spill")
+Policy = Literal["static", "all-cpu", "all-gpu", "dmda", "spill", "dual"]
+POLICIES: Final[tuple[Policy, ...]] = ("static", "all-cpu", "all-gpu", "dmda", "spill", "dual")
 CopyMode = Literal["link", "slot"]
 #: Above this many tasks :func:`lower_bound` adds the parts up apart rather than solve the LP.
 LP_MAX_TASKS: Final = 20_000
@@ -107,6 +113,8 @@ class Costs:
     placement: list[bool]
     #: Dask's order of the tasks (a rank per task): the order workers take ready tasks in
     priority: list[int] = field(default_factory=list)
+    #: the plan's dual tasks (placed on the CPU, carrying both paths): indices
+    dual: frozenset[int] = frozenset()
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -163,6 +171,7 @@ class Costs:
             out.placement.append(decision is not None and decision.device == GPU)
         out.outputs = frozenset(index[resolve(k)] for k in flatten_keys(keys)
                                 if resolve(k) in index)
+        out.dual = frozenset(index[k] for k in plan.dual_keys if k in index)
         ranks = order(graph)
         # (an embedded value just before its task)
         out.priority = [ranks.get(k[1] if k[0] == "eugo-embedded" else k, 0)
@@ -493,6 +502,41 @@ class _Run:
                 self.busy["d2h"] += seconds
         return end
 
+    def dual_slot_s(self, i: int) -> float:
+        """What dual task ``i`` holds a GPU slot for: its inputs copied in, its work, its result
+        copied back."""
+        machine, costs = self.machine, self.costs
+        return (sum(machine.h2d_s(costs.nbytes[d]) for d in costs.deps[i])
+                + (costs.gpu_s[i] or 0.0) + machine.d2h_s(costs.nbytes[i]))
+
+    def dual_gpu_run(self, i: int, g: int, now: float, slot_s: float) -> float:
+        """Run dual task ``i``, ready at ``now``, on GPU ``g``'s slot (its copies inside it)."""
+        slots, down = list(self.gpu_free), list(self.down_free)
+        ready = max((self._down(d, True, slots, down) for d in self.costs.deps[i]),
+                    default=0.0)
+        start = max(ready, slots[g], now)
+        end = slots[g] = start + slot_s
+        self.gpu_free, self.down_free = slots, down
+        self.on_host[i] = end
+        machine, costs = self.machine, self.costs
+        self.busy["gpu"] += costs.gpu_s[i] or 0.0
+        self.busy["h2d"] += sum(machine.h2d_s(costs.nbytes[d]) for d in costs.deps[i])
+        self.busy["d2h"] += machine.d2h_s(costs.nbytes[i])
+        self.gpu_tasks += 1
+        self.assignment[i] = g
+        return end
+
+    def place_dual(self, i: int, now: float) -> float:
+        """Send dual task ``i``, ready at ``now``, where the scheduler plugin would: the unit
+        that finishes it first, on the ledger of when each is free."""
+        slot_s = self.dual_slot_s(i)
+        ledger = Ledger(threads={"cpu": [self.threads[0]]},
+                        slots={str(g): [free] for g, free in enumerate(self.gpu_free)})
+        choice = ledger.choose("", self.costs.cpu_s[i], slot_s, now)
+        if choice.kind == GPU_UNIT and choice.worker is not None:
+            return self.dual_gpu_run(i, int(choice.worker), now, slot_s)
+        return self.cpu_finish(i, True, now)
+
     def best_gpu(self, i: int, now: float = 0.0) -> tuple[float, int] | None:
         """The GPU where task ``i``, ready at ``now``, would finish first."""
         return min(((self.gpu_finish(i, g, False, now), g) for g in range(self.machine.gpus)),
@@ -504,8 +548,10 @@ class _Run:
         the time its result is ready."""
         costs, machine = self.costs, self.machine
         capable = machine.gpus > 0 and costs.gpu_s[i] is not None
+        if policy == "dual" and capable and i in costs.dual:
+            return self.place_dual(i, now)
         on_gpu = capable and (policy == "all-gpu" or
-                              (policy == "static" and costs.placement[i]))
+                              (policy in ("static", "dual") and costs.placement[i]))
         best = self.best_gpu(i, now) if capable else None
         if best is not None and (policy == "dmda" or (policy == "spill" and costs.placement[i])):
             gpu_end = best[0]
@@ -573,7 +619,8 @@ EXPLAIN_LP_SECONDS: Final = 1.0
 @dataclass(frozen=True)
 class Summary:
     """A plan held against the machine: the ``bound`` and the plan's ``predicted`` schedule
-    (policy ``static``, copies as the run makes them) on ``machine``."""
+    (policy ``static``, or ``dual`` where the plan has dual tasks; copies as the run makes
+    them) on ``machine``."""
 
     machine: Machine
     costs: Costs
@@ -613,4 +660,6 @@ def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
     costs = Costs.from_plan(graph, keys, description, plan, cpu_threads=profile.cpu.threads)
     bound = lower_bound(costs, machine, lp_max_tasks=EXPLAIN_LP_MAX_TASKS,
                         time_limit_s=EXPLAIN_LP_SECONDS)
-    return Summary(machine, costs, bound, simulate(costs, machine, "static", copies=copies))
+    # (dual tasks as the scheduler plugin places them, where the plan has any)
+    policy: Policy = "dual" if costs.dual else "static"
+    return Summary(machine, costs, bound, simulate(costs, machine, policy, copies=copies))
