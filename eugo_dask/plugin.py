@@ -500,7 +500,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def _count(self, key: Key, worker: str | None, startstops: Any) -> None:
         scheduler = self.scheduler
         gpu, host, cpu = key in self.gpu_keys, key in self.host_keys, key in self.cpu_keys
-        if scheduler is None or not (gpu or host or cpu):
+        sent = self.dual.sent_to.get(key)
+        if scheduler is None or not (gpu or host or cpu or sent):
             return
         ts = scheduler.tasks.get(key)
         if ts is None:
@@ -510,8 +511,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         usage = self._usage_of.pop(key, None)
         if usage is not None:
             kind: UsageKind = ("copies" if role in (TODEVICE_ROLE, TOHOST_ROLE) else
-                               "gpu" if role == GPU_ROLE and ws is not None
-                               and ws.resources.get(self.resource) else "cpu")
+                               "gpu" if (role == GPU_ROLE or (sent and sent[0] == GPU_UNIT))
+                               and ws is not None and ws.resources.get(self.resource)
+                               else "cpu")
             usage.ran(kind, startstops)
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
         stats = self._prefix(ts.prefix.name)
