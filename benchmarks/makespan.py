@@ -33,6 +33,7 @@ emulated cluster (a run on real workers with these durations) is what checks a b
     python benchmarks/makespan.py --quick          # a quarter of the data, chunks as large
     python benchmarks/makespan.py --json out.json  # also one record per graph x machine x policy
     python benchmarks/makespan.py --timed 1        # also run each schedule on the timed cluster
+    python benchmarks/makespan.py --quick --timed 1 --graphs seed,tensordot --policies static,dual
 
 ``--timed S`` runs each schedule on the timed emulated cluster (:mod:`eugo_dask.timed`: a real
 scheduler, a CPU worker with the machine's threads and a worker per GPU, every task sleeping its
@@ -151,7 +152,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="FILE", help="write one record per line set")
     parser.add_argument("--timed", metavar="S", type=float,
                         help="also run each schedule on the timed cluster, the bound dilated to S s")
+    parser.add_argument("--graphs", metavar="NAMES",
+                        help="only the graphs whose names contain one of these (comma-separated)")
+    parser.add_argument("--policies", metavar="LABELS",
+                        help="only these policies (comma-separated labels)")
     args = _common.parse_args(parser, argv)
+    policies = [p for p in POLICIES if not args.policies or p[0] in args.policies.split(",")]
     if args.timed:  # (each timed run starts and stops a cluster: its INFO lines are noise here)
         import logging
 
@@ -159,10 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     scale = 2 if args.quick else 1
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as directory:
-        built = graphs(scale, zarr_store(directory, scale))
+        built = {name: build for name, build in graphs(scale, zarr_store(directory, scale)).items()
+                 if not args.graphs or any(part in name for part in args.graphs.split(","))}
         width = 26 if args.timed else 17
         print(f"{'graph':<26} {'machine':<7} {'tasks':>6} {'bound':>9} {'mixed':>5}  "
-              + "  ".join(f"{label:>{width}}" for label, _, _ in POLICIES)
+              + "  ".join(f"{label:>{width}}" for label, _, _ in policies)
               + ("\n(simulated; in brackets: achieved on the timed cluster)" if args.timed else ""))
         for name, build in built.items():
             start = time.perf_counter()
@@ -172,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             for machine in MACHINES:
                 bound = lower_bound(costs, machine)
                 cells = []
-                for label, policy, copies in POLICIES:
+                for label, policy, copies in policies:
                     run = simulate(costs, machine, policy, copies=copies)  # type: ignore[arg-type]
                     ratio = run.makespan_s / bound.seconds
                     cells.append(f"{run.makespan_s * 1e3:8.1f} ms {ratio:5.2f}x")
@@ -193,32 +200,28 @@ def main(argv: list[str] | None = None) -> None:
                       f"{bound.seconds * 1e3:6.1f} ms {'yes' if bound.mixed else 'no':>5}  "
                       + "  ".join(cells), flush=True)
             print(f"{'':<26} (planned and simulated in {time.perf_counter() - start:.1f} s)")
-    _summary(records)
+    _summary(records, policies)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(records, out, indent=1)
 
 
-def _summary(records: list[dict[str, Any]]) -> None:
-    """The worst ratio to the bound of each policy, and dmda against static where mixed."""
+def _summary(records: list[dict[str, Any]], policies: list[tuple[str, str, str]]) -> None:
+    """The worst ratio to the bound of each policy; where the bound uses both kinds of device,
+    dmda and dual against static; copies off the GPU slot against in it (of the policies run)."""
     print("\nworst makespan / bound, by policy:", ", ".join(
         f"{label} {max(r['makespan_s'] / r['bound_s'] for r in records if r['policy'] == label):.2f}x"
-        for label, _, _ in POLICIES))
+        for label, _, _ in policies))
     key = {(r["graph"], r["machine"], r["policy"]): r for r in records}
-    mixed = [(g, m) for (g, m, p), r in key.items() if p == "dmda" and r["mixed"]]
-    if mixed:
-        gains = [key[(g, m, "static")]["makespan_s"] / key[(g, m, "dmda")]["makespan_s"]
-                 for g, m in mixed]
-        print(f"where the bound uses both kinds of device ({len(mixed)} graph x machine): "
-              f"static / dmda from {min(gains):.2f}x to {max(gains):.2f}x")
-    if mixed and all((g, m, "dual") in key for g, m in mixed):
-        gains = [key[(g, m, "static")]["makespan_s"] / key[(g, m, "dual")]["makespan_s"]
-                 for g, m in mixed]
-        print(f"where mixed: static / dual from {min(gains):.2f}x to {max(gains):.2f}x")
-    overlap = [key[(g, m, "static-slot")]["makespan_s"] / key[(g, m, "static")]["makespan_s"]
-               for (g, m, p) in key if p == "static"]
-    print(f"copies off the GPU slot, same placement: static-slot / static from "
-          f"{min(overlap):.2f}x to {max(overlap):.2f}x")
+    mixed = sorted({(g, m) for (g, m, _), r in key.items() if r["mixed"]})
+    for slower, faster, where in (("static", "dmda", "mixed"), ("static", "dual", "mixed"),
+                                  ("static-slot", "static", "all")):
+        rows = mixed if where == "mixed" else sorted({(g, m) for g, m, _ in key})
+        gains = [key[(g, m, slower)]["makespan_s"] / key[(g, m, faster)]["makespan_s"]
+                 for g, m in rows if (g, m, slower) in key and (g, m, faster) in key]
+        if gains:
+            print(f"{slower} / {faster} on {len(gains)} graph x machine ({where}): "
+                  f"{min(gains):.2f}x to {max(gains):.2f}x")
 
 
 if __name__ == "__main__":

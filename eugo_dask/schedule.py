@@ -419,6 +419,13 @@ class Schedule:
         return self.busy[kind] / span if span > 0 else 0.0
 
 
+def dual_slot_seconds(costs: Costs, machine: Machine, i: int) -> float:
+    """What dual task ``i`` holds a GPU slot for: its inputs copied in, its work, its result
+    copied back (the copies inside it, as :class:`~eugo_dask.runtime.DualCall` makes them)."""
+    return (sum(machine.h2d_s(costs.nbytes[d]) for d in costs.deps[i])
+            + (costs.gpu_s[i] or 0.0) + machine.d2h_s(costs.nbytes[i]))
+
+
 class _Run:
     """The state of one simulation: when each unit is next free, where each value is."""
 
@@ -502,13 +509,6 @@ class _Run:
                 self.busy["d2h"] += seconds
         return end
 
-    def dual_slot_s(self, i: int) -> float:
-        """What dual task ``i`` holds a GPU slot for: its inputs copied in, its work, its result
-        copied back."""
-        machine, costs = self.machine, self.costs
-        return (sum(machine.h2d_s(costs.nbytes[d]) for d in costs.deps[i])
-                + (costs.gpu_s[i] or 0.0) + machine.d2h_s(costs.nbytes[i]))
-
     def dual_gpu_run(self, i: int, g: int, now: float, slot_s: float) -> float:
         """Run dual task ``i``, ready at ``now``, on GPU ``g``'s slot (its copies inside it)."""
         slots, down = list(self.gpu_free), list(self.down_free)
@@ -529,7 +529,7 @@ class _Run:
     def place_dual(self, i: int, now: float) -> float:
         """Send dual task ``i``, ready at ``now``, where the scheduler plugin would: the unit
         that finishes it first, on the ledger of when each is free."""
-        slot_s = self.dual_slot_s(i)
+        slot_s = dual_slot_seconds(self.costs, self.machine, i)
         ledger = Ledger(threads={"cpu": [self.threads[0]]},
                         slots={str(g): [free] for g, free in enumerate(self.gpu_free)})
         choice = ledger.choose("", self.costs.cpu_s[i], slot_s, now)

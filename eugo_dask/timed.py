@@ -13,7 +13,12 @@ one kernel at a time). Copies are tasks of their own that sleep ``latency + byte
   asked for none of it.
 
 Where each task runs is the simulated schedule's ``assignment`` (a CPU thread, or GPU ``g``), set
-as worker restrictions; the order is distributed's own (Dask's priorities). What comes back is
+as worker restrictions; the order is distributed's own (Dask's priorities). Under the ``dual``
+policy the dual tasks are not placed in advance: each carries both durations (its CPU time, and
+its time holding a GPU slot with its copies inside it) in an ``eugo`` annotation of role
+``dual``, eugo's scheduler plugin sends it where it expects it to finish first as it becomes
+ready, and it sleeps the duration of where it was granted to run (the slot, or a thread); its
+result is on the host either way. What comes back is
 the makespan the scheduler achieved, from the first task's start to the last one's end, divided
 by ``dilation``: comparable with :func:`~eugo_dask.schedule.simulate`'s and the bound.
 """
@@ -29,7 +34,9 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from eugo_dask.schedule import CopyMode, Costs, Machine, Schedule
+from eugo_dask.context import granted_resources
+from eugo_dask.rewrite import DUAL_ROLE
+from eugo_dask.schedule import CopyMode, Costs, Machine, Schedule, dual_slot_seconds
 
 #: the resources of a GPU worker: one kernel, one copy each way at a time
 GPU_WORKER_RESOURCES = {"GPU": 1, "UP": 1, "DOWN": 1}
@@ -39,6 +46,13 @@ DONE = "timed-done"
 
 def _sleep(seconds: float, *inputs: Any) -> int:
     time.sleep(seconds)
+    return 0
+
+
+def _sleep_dual(thread_s: float, slot_s: float, *inputs: Any) -> int:
+    """A dual task: ``slot_s`` where its worker granted it a GPU slot, else ``thread_s``."""
+    granted = granted_resources() or {}
+    time.sleep(slot_s if granted.get("GPU", 0) >= 1 else thread_s)
     return 0
 
 
@@ -59,7 +73,9 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
                 copies: CopyMode, cpu_worker: str, gpu_workers: list[str]
                 ) -> tuple[HighLevelGraph, str]:
     """The sleeping graph of ``schedule`` and its one output key (see the module docstring)."""
-    where = schedule.assignment
+    # (a dual task's result is on the host wherever it ran: its copy back is inside it)
+    dual = costs.dual if schedule.policy == "dual" else frozenset()
+    where = tuple(-1 if i in dual else g for i, g in enumerate(schedule.assignment))
     layers: dict[str, dict[str, Task]] = {}
     annotations: dict[str, dict[str, Any]] = {}
 
@@ -92,6 +108,14 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
 
     for i in range(len(costs)):
         g = where[i]
+        if i in dual:
+            inputs = [f"task-{u}" if where[u] < 0 else down(u) for u in costs.deps[i]]
+            thread_s = costs.cpu_s[i] * dilation
+            slot_s = dual_slot_seconds(costs, machine, i) * dilation
+            key = f"task-{i}"
+            add("dual", key, Task(key, _sleep_dual, thread_s, slot_s, *map(TaskRef, inputs)),
+                {"eugo": {"role": DUAL_ROLE, "cpu_s": thread_s, "est_s": slot_s}})
+            continue
         if g < 0:
             inputs = [f"task-{u}" if where[u] < 0 else down(u) for u in costs.deps[i]]
             seconds = costs.cpu_s[i] * dilation
@@ -126,6 +150,10 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
         async with Worker(scheduler.address, nthreads=machine.cpu_threads) as cpu, \
                 _gpu_workers(scheduler.address, machine.gpus) as gpus, \
                 Client(scheduler.address, asynchronous=True) as client:
+            if schedule.policy == "dual":  # eugo's scheduler plugin places the dual tasks
+                from eugo_dask.plugin import EugoSchedulerPlugin
+
+                await client.register_plugin(EugoSchedulerPlugin())
             graph, done = timed_graph(costs, schedule, machine, dilation=dilation,
                                          copies=copies, cpu_worker=cpu.address,
                                          gpu_workers=[w.address for w in gpus])

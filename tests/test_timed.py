@@ -50,3 +50,22 @@ def test_a_schedule_runs_where_it_was_assigned_and_never_beats_the_bound(copies)
     assert run.ran == schedule.assignment
     assert run.tasks == 11 + run.copies + 1  # the tasks, their copies, the gathering task
     assert run.makespan_s >= lower_bound(c, MACHINE).seconds
+
+
+def test_dual_tasks_are_placed_at_run_time_by_the_plugin_and_never_beat_the_bound():
+    # the 8 device-capable tasks dual: eugo's scheduler plugin sends each where it expects it
+    # to finish first; the timed cluster's workers sleep the durations of where they ran
+    c = costs()
+    c.dual = frozenset(range(2, 10))
+    c.placement = [False] * 11
+    schedule = simulate(c, MACHINE, "dual")
+    graph, _ = timed_graph(c, schedule, MACHINE, dilation=1.0, copies="link",
+                           cpu_worker="cpu", gpu_workers=["gpu-0", "gpu-1"])
+    assert set(graph.layers["dual"]) == {f"task-{i}" for i in range(2, 10)}
+    assert graph.layers["dual"].annotations["eugo"]["role"] == "dual"  # no restriction
+    assert not any(k.startswith(("up-", "down-")) for layer in graph.layers.values()
+                   for k in layer)  # (a dual task copies inside itself)
+    run = run_timed(c, schedule, dilation=5.0, timeout_s=120)
+    ran = [run.ran[i] for i in range(2, 10)]
+    assert -1 in ran and any(g >= 0 for g in ran), ran  # both kinds of worker
+    assert run.makespan_s >= lower_bound(c, MACHINE).seconds
