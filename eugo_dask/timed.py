@@ -69,12 +69,23 @@ class TimedRun:
     ran: tuple[int, ...] = ()
 
 
+def task_key(i: int, dual: frozenset[int]) -> str:
+    """The key of task ``i``: ``dual-<i>`` for a dual task, else ``task-<i>`` (the prefixes
+    tell the plugin's ledger the durations distributed measured of each apart)."""
+    return f"dual-{i}" if i in dual else f"task-{i}"
+
+
+def _dual_tasks(costs: Costs, schedule: Schedule) -> frozenset[int]:
+    """The tasks the scheduler plugin places at run time: the dual ones, under policy dual."""
+    return costs.dual if schedule.policy == "dual" else frozenset()
+
+
 def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation: float,
                 copies: CopyMode, cpu_worker: str, gpu_workers: list[str]
                 ) -> tuple[HighLevelGraph, str]:
     """The sleeping graph of ``schedule`` and its one output key (see the module docstring)."""
     # (a dual task's result is on the host wherever it ran: its copy back is inside it)
-    dual = costs.dual if schedule.policy == "dual" else frozenset()
+    dual = _dual_tasks(costs, schedule)
     where = tuple(-1 if i in dual else g for i, g in enumerate(schedule.assignment))
     layers: dict[str, dict[str, Task]] = {}
     annotations: dict[str, dict[str, Any]] = {}
@@ -90,7 +101,7 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         key = f"down-{u}"
         if key not in layers.get(f"down-{g}", {}):
             seconds = machine.d2h_s(costs.nbytes[u]) * dilation
-            add(f"down-{g}", key, Task(key, _sleep, seconds, TaskRef(f"task-{u}")),
+            add(f"down-{g}", key, Task(key, _sleep, seconds, TaskRef(task_key(u, dual))),
                 {"workers": [gpu_workers[g]], "allow_other_workers": False,
                  "resources": {"GPU" if copies == "slot" else "DOWN": 1}})
         return key
@@ -99,7 +110,7 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         """The copy of value ``u`` to GPU ``g``, made once (from the host, or via it)."""
         key = f"up-{u}-{g}"
         if key not in layers.get(f"up-{g}", {}):
-            source = f"task-{u}" if where[u] < 0 else down(u)
+            source = task_key(u, dual) if where[u] < 0 else down(u)
             seconds = machine.h2d_s(costs.nbytes[u]) * dilation
             add(f"up-{g}", key, Task(key, _sleep, seconds, TaskRef(source)),
                 {"workers": [gpu_workers[g]], "allow_other_workers": False,
@@ -109,26 +120,26 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
     for i in range(len(costs)):
         g = where[i]
         if i in dual:
-            inputs = [f"task-{u}" if where[u] < 0 else down(u) for u in costs.deps[i]]
+            inputs = [task_key(u, dual) if where[u] < 0 else down(u) for u in costs.deps[i]]
             thread_s = costs.cpu_s[i] * dilation
             slot_s = dual_slot_seconds(costs, machine, i) * dilation
-            key = f"task-{i}"
+            key = task_key(i, dual)
             add("dual", key, Task(key, _sleep_dual, thread_s, slot_s, *map(TaskRef, inputs)),
                 {"eugo": {"role": DUAL_ROLE, "cpu_s": thread_s, "est_s": slot_s}})
             continue
         if g < 0:
-            inputs = [f"task-{u}" if where[u] < 0 else down(u) for u in costs.deps[i]]
+            inputs = [task_key(u, dual) if where[u] < 0 else down(u) for u in costs.deps[i]]
             seconds = costs.cpu_s[i] * dilation
             layer, restriction = "cpu", {"workers": [cpu_worker], "allow_other_workers": False}
         else:
-            inputs = [f"task-{u}" if where[u] == g else up(u, g) for u in costs.deps[i]]
+            inputs = [task_key(u, dual) if where[u] == g else up(u, g) for u in costs.deps[i]]
             seconds = (costs.gpu_s[i] or 0.0) * dilation
             layer, restriction = f"gpu-{g}", {"workers": [gpu_workers[g]],
                                               "allow_other_workers": False,
                                               "resources": {"GPU": 1}}
-        key = f"task-{i}"
+        key = task_key(i, dual)
         add(layer, key, Task(key, _sleep, seconds, *map(TaskRef, inputs)), restriction)
-    outputs = [f"task-{u}" if where[u] < 0 else down(u) for u in sorted(costs.outputs)]
+    outputs = [task_key(u, dual) if where[u] < 0 else down(u) for u in sorted(costs.outputs)]
     # one task that gathers them (no time of its own), the graph's one output
     add(DONE, DONE, Task(DONE, _sleep, 0.0, *map(TaskRef, outputs)),
         {"workers": [cpu_worker], "allow_other_workers": False})
@@ -163,7 +174,8 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
                              if name.startswith(("up-", "down-")))
             span = (max(clock.stops) - min(clock.starts)) if clock.starts else 0.0
             unit = {cpu.address: -1, **{w.address: g for g, w in enumerate(gpus)}}
-            ran = tuple(unit.get(clock.workers.get(f"task-{i}", ""), -2)
+            dual = _dual_tasks(costs, schedule)
+            ran = tuple(unit.get(clock.workers.get(task_key(i, dual), ""), -2)
                         for i in range(len(costs)))
             return TimedRun(span / dilation, len(clock.starts), copies_run, dilation, ran)
 

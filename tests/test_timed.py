@@ -61,7 +61,7 @@ def test_dual_tasks_are_placed_at_run_time_by_the_plugin_and_never_beat_the_boun
     schedule = simulate(c, MACHINE, "dual")
     graph, _ = timed_graph(c, schedule, MACHINE, dilation=1.0, copies="link",
                            cpu_worker="cpu", gpu_workers=["gpu-0", "gpu-1"])
-    assert set(graph.layers["dual"]) == {f"task-{i}" for i in range(2, 10)}
+    assert set(graph.layers["dual"]) == {f"dual-{i}" for i in range(2, 10)}
     assert graph.layers["dual"].annotations["eugo"]["role"] == "dual"  # no restriction
     assert not any(k.startswith(("up-", "down-")) for layer in graph.layers.values()
                    for k in layer)  # (a dual task copies inside itself)
