@@ -24,7 +24,6 @@ decides with the same :func:`earliest_unit`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal, NamedTuple
 
@@ -48,14 +47,14 @@ class Choice(NamedTuple):
     finish: float
 
 
-def earliest_unit(free_at: Iterable[float]) -> tuple[int, float]:
+def earliest_unit(free_at: list[float]) -> tuple[int, float]:
     """The unit of ``free_at`` (times each is expected to be free) that frees first, and when;
-    ``(-1, inf)`` where there is none."""
-    best, when = -1, math.inf
-    for i, t in enumerate(free_at):
-        if t < when:
-            best, when = i, t
-    return best, when
+    ``(-1, inf)`` where there is none. (``min`` and ``index`` run in C: a decision looks at
+    every worker's units.)"""
+    if not free_at:
+        return -1, math.inf
+    when = min(free_at)
+    return free_at.index(when), when
 
 
 @dataclass
@@ -67,19 +66,31 @@ class Ledger:
     slots: dict[str, list[float]] = field(default_factory=dict)
     #: (prefix, kind) -> measured seconds over expected, of the dual tasks that ran
     scale: dict[tuple[str, UnitKind], float] = field(default_factory=dict)
+    #: kind -> worker -> when its first unit of that kind frees (a decision reads one number
+    #: per worker, kept as its units change)
+    _first: dict[UnitKind, dict[str, float]] = field(
+        default_factory=lambda: {CPU_UNIT: {}, GPU_UNIT: {}})
+
+    def __post_init__(self) -> None:
+        for kind in (CPU_UNIT, GPU_UNIT):
+            self._first[kind] = {w: min(units) for w, units in self._units(kind).items() if units}
 
     def set_worker(self, worker: str, *, threads: int, slots: int, now: float) -> None:
         """A worker with ``threads`` CPU threads for dual tasks (0 on a GPU worker, whose threads
         serve its copies and slots) and ``slots`` GPU slots; free now where new."""
-        for units, count in ((self.threads, threads), (self.slots, slots)):
+        counts: tuple[tuple[UnitKind, int], ...] = ((CPU_UNIT, threads), (GPU_UNIT, slots))
+        for kind, count in counts:
+            units = self._units(kind)
             if count > 0:
-                units.setdefault(worker, [now] * count)
+                self._first[kind][worker] = min(units.setdefault(worker, [now] * count))
             else:
                 units.pop(worker, None)
+                self._first[kind].pop(worker, None)
 
     def remove_worker(self, worker: str) -> None:
-        self.threads.pop(worker, None)
-        self.slots.pop(worker, None)
+        for kind in (CPU_UNIT, GPU_UNIT):
+            self._units(kind).pop(worker, None)
+            self._first[kind].pop(worker, None)
 
     def _units(self, kind: UnitKind) -> dict[str, list[float]]:
         return self.threads if kind == CPU_UNIT else self.slots
@@ -96,12 +107,14 @@ class Ledger:
         best = Choice(CPU_UNIT, None, -1, now + self.seconds(prefix, CPU_UNIT, thread_s))
         options: tuple[tuple[UnitKind, float], ...] = ((CPU_UNIT, thread_s), (GPU_UNIT, slot_s))
         for kind, seconds in options:
-            scaled = self.seconds(prefix, kind, seconds)
-            for worker, free_at in self._units(kind).items():
-                unit, when = earliest_unit(free_at)
-                finish = max(when, now) + scaled
-                if finish < best.finish or (best.worker is None and kind == CPU_UNIT):
-                    best = Choice(kind, worker, unit, finish)
+            first = self._first[kind]
+            if not first:
+                continue
+            worker = min(first, key=first.__getitem__)
+            when = first[worker]
+            finish = max(when, now) + self.seconds(prefix, kind, seconds)
+            if finish < best.finish or (best.worker is None and kind == CPU_UNIT):
+                best = Choice(kind, worker, self._units(kind)[worker].index(when), finish)
         return best
 
     def charge(self, worker: str, kind: UnitKind, seconds: float, now: float
@@ -114,6 +127,7 @@ class Ledger:
             return None
         unit, when = earliest_unit(free_at)
         end = free_at[unit] = max(when, now) + seconds
+        self._first[kind][worker] = min(free_at)
         return unit, end
 
     def settle(self, worker: str, kind: UnitKind, unit: int, expected_end: float,
@@ -124,6 +138,7 @@ class Ledger:
         if free_at is None or unit >= len(free_at):
             return
         free_at[unit] = max(free_at[unit] + (now - expected_end), now)
+        self._first[kind][worker] = min(free_at)
 
     def observe(self, prefix: str, kind: UnitKind, expected_s: float, measured_s: float) -> None:
         """A dual task of ``prefix`` ran on ``kind`` for ``measured_s`` where ``expected_s``
