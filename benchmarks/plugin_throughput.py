@@ -9,6 +9,12 @@ so the ratio carries the scheduler's own noise; the hook share is the steadier f
 
     python benchmarks/plugin_throughput.py           # ~28,000 tasks per graph, 5 rounds
     python benchmarks/plugin_throughput.py --quick   # ~2,500 tasks per graph, 3 rounds
+    python benchmarks/plugin_throughput.py --quick --dual  # the chunk tasks dual, decided by it
+
+``--dual``: ``eugo.dispatch: dual`` with ``dual-from: 0`` and the default min-speedup, so the
+fused chunk tasks carry both paths and the plugin decides each (a root: at submission); the
+plugin is registered before the graph is planned (without it the pass plans ``static``), and
+without it the dual tasks run their CPU path.
 """
 
 from __future__ import annotations
@@ -49,16 +55,24 @@ class TimedPlugin(EugoSchedulerPlugin):
 
 
 def main() -> None:
-    args = _common.parse_args(_common.benchmark_parser(__doc__))
+    parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--dual", action="store_true", help="the chunk tasks dual (see above)")
+    args = _common.parse_args(parser)
     blocks, rounds = (27, 3) if args.quick else (91, 5)
     settings = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated",
                 "eugo.min-speedup": 0, "eugo.profile": {"base": "h200", "cpu": "server-x86"},
                 "distributed.admin.large-graph-warning-threshold": "1GB"}
+    if args.dual:
+        settings |= {"eugo.min-speedup": 2, "eugo.dispatch": "dual", "eugo.dual-from": 0}
     with dask.config.set(settings), LocalCluster(
         n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1},
         dashboard_address=":0",
     ) as cluster, Client(cluster) as client:
+        if args.dual:  # (planned where the plugin runs: dual tasks)
+            client.register_plugin(TimedPlugin())
         (optimized,) = dask.optimize(graph(blocks))  # plan once; every run submits the same graph
+        if args.dual:
+            client.unregister_scheduler_plugin("eugo")
         n_tasks = len(optimized.__dask_graph__())
         print(f"tasks per graph: {n_tasks}", flush=True)
         optimized.compute()  # warm-up
@@ -74,6 +88,9 @@ def main() -> None:
                 if with_plugin:
                     plugin = cluster.scheduler.plugins["eugo"]
                     assert plugin.placements, "plugin saw no task"
+                    if args.dual:
+                        assert plugin.dual.sent, "plugin decided no dual task"
+                        print(f"  dual tasks sent: {dict(plugin.dual.sent)}", flush=True)
                     hook_s += plugin.hook_s
                     client.unregister_scheduler_plugin("eugo")
         on = n_tasks / statistics.median(seconds[True])

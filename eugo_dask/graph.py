@@ -263,7 +263,9 @@ _new_tuple = tuple.__new__
 
 #: Key prefixes of the tasks eugo adds: device compute, and the copies each way.
 GPU_PREFIX, H2D_PREFIX, D2H_PREFIX = "eugo-gpu", "eugo-todevice", "eugo-tohost"
-EUGO_PREFIXES = (GPU_PREFIX, H2D_PREFIX, D2H_PREFIX)
+#: a dual task's (``eugo.dispatch: dual``): its value is on the host wherever it ran
+DUAL_PREFIX = "eugo-dual"
+EUGO_PREFIXES = (GPU_PREFIX, H2D_PREFIX, D2H_PREFIX, DUAL_PREFIX)
 _DEVICE_VALUE_PREFIXES = (GPU_PREFIX + "-", H2D_PREFIX + "-")
 
 

@@ -662,6 +662,10 @@ class _DualDispatch:
         self._workers_known = False
 
     def add(self, key: Key, prefix: str, thread_s: Any, slot_s: Any) -> None:
+        """A dual task of a graph placed now, not started (a key computed before and released
+        since is decided again)."""
+        self.sent_to.pop(key, None)
+        self.charged.pop(key, None)
         if _is_seconds(thread_s) and _is_seconds(slot_s):
             self.costs[key] = (prefix, float(thread_s), float(slot_s))
 

@@ -36,6 +36,7 @@ from dask.utils import key_split
 from eugo_dask.describe import GraphDescription
 from eugo_dask.graph import (
     D2H_PREFIX,
+    DUAL_PREFIX,
     FUSED_DEPS,
     FUSED_FUNC,
     FUSED_INNER,
@@ -126,6 +127,8 @@ CPU_ROLE: Final = "cpu"
 DUAL_ROLE: Final = "dual"
 #: Roles that run on GPU workers (device work and the copies on either side of it).
 DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
+#: Roles of the tasks eugo writes (told by their functions).
+_WRITTEN_ROLES: frozenset[Role] = DEVICE_ROLES | {DUAL_ROLE}
 #: Roles that move data over the link: on a GPU worker, but never holding its GPU slot.
 COPY_ROLES: frozenset[Role] = frozenset({TODEVICE_ROLE, TOHOST_ROLE})
 
@@ -244,7 +247,9 @@ def roles_of_rewritten(dsk: Graph, resource: str | None) -> TaskRoles:
     roles: dict[Key, RoleEntry] = {}
     for key, node in dsk.items():
         role = _rewritten_role(node)
-        if role is not None:
+        if role == DUAL_ROLE and type(node) is Task and node.func.cost is not None:
+            roles[key] = (role, *node.func.cost)
+        elif role is not None:
             roles[key] = (role, None, None)
     return TaskRoles(roles, resource)
 
@@ -253,7 +258,7 @@ def written_by_eugo(node: Any) -> bool:
     """Whether ``node`` is a task eugo wrote: device work or a copy to or from the device (also
     fused by Dask into a task of its own after the pass), told by its function, whatever its
     key is called."""
-    return _rewritten_role(node) in DEVICE_ROLES
+    return _rewritten_role(node) in _WRITTEN_ROLES
 
 
 def _rewritten_role(node: GraphNode) -> Role | None:
@@ -268,7 +273,7 @@ def _rewritten_role(node: GraphNode) -> Role | None:
     if node.func is to_host:
         return TOHOST_ROLE
     parts = fused(node)
-    if parts is not None and any(map(written_by_eugo, parts.inner.values())):
+    if parts is not None and any(_rewritten_role(p) in DEVICE_ROLES for p in parts.inner.values()):
         return GPU_ROLE  # fused by Dask after the first pass: device work inside
     families = task_families(node)
     if families & HOST_FAMILIES and not families & GPU_FAMILIES:
@@ -438,6 +443,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     # the roles live as long as the graph does
     entries: dict[RoleEntry, RoleEntry] = {}
     inner_on_device: dict[int, dict[Key, GraphNode]] = {}
+    dual_calls: dict[tuple[Any, ...], DualCall] = {}  # one per function, layer and cost
     # one DeviceCall per function and layer, and the layer's device name: by function and
     # layer, and the last one by layer (a layer has one function: one lookup by its name)
     calls: dict[tuple[int, Key], tuple[DeviceCall, Key]] = {}
@@ -453,7 +459,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     for (key, decision), node in zip(decisions.items(), description.task_nodes, strict=True):
         if decision.device != GPU:
             if decision.dual is not None:
-                out[key] = _dual_task(node, how, inner_on_device)
+                out[key] = _dual_task(node, how, inner_on_device, dual_calls,
+                                      tuple(decision.dual))
                 entry: RoleEntry = (DUAL_ROLE, *decision.dual)
             else:
                 role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
@@ -511,15 +518,20 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
                      plan, on_device, renames)
 
 
-def _dual_task(node: Task, how: Rewrite, inner_on_device: dict[int, dict[Key, GraphNode]]
-               ) -> Task:
-    """The task of a dual ``node``: its function through :class:`DualCall`, reading its host
-    inputs as it did (the task copies them itself where it runs on the device), the sources
-    fused into it landing on the device on that path."""
+def _dual_task(node: Task, how: Rewrite, inner_on_device: dict[int, dict[Key, GraphNode]],
+               calls: dict[tuple[Any, ...], DualCall], cost: tuple[float, float]) -> Task:
+    """The task of a dual ``node``: its function through :class:`DualCall` (one per function,
+    layer and ``cost``, in ``calls``), reading its host inputs as it did (the task copies them
+    itself where it runs on the device), the sources fused into it landing on the device on
+    that path. (Its key is renamed ``eugo-dual-…`` with the others, :func:`_renames`.)"""
     reads = {d: TaskRef(d) for d in node.dependencies}
     args, kwargs = _arguments_on_device(node, reads, node.dependencies, inner_on_device,
                                         how.device)
-    call = DualCall(node.func, how.device, key_split(node.key), how.slot_resource)
+    prefix = key_split(node.key)
+    call = calls.get((id(node.func), prefix, cost))
+    if call is None:
+        call = calls[(id(node.func), prefix, cost)] = DualCall(
+            node.func, how.device, prefix, how.slot_resource, cost)
     return new_task(node.key, call, args, kwargs, node.dependencies, node.data_producer)
 
 
@@ -618,7 +630,9 @@ def _renames(out: Graph, order: list[Key], original: Graph, outputs: set[Key],
                 continue
             readers.append(key)
             if key not in outputs:
-                renames[key] = renamed_key(key, token)
+                dual = type(node) is Task and isinstance(node.func, DualCall)
+                renames[key] = (prefixed_key(key, DUAL_PREFIX, token) if dual
+                                else renamed_key(key, token))
     return renames, readers + to_device_keys, shuffle_ids
 
 

@@ -779,17 +779,21 @@ class DualCall(DeviceCall):
     inside the task, through the device's copy engine; a failure there runs its CPU path, as a
     GPU task's does. Anywhere else (a CPU worker, a GPU worker's thread without the slot, a
     local scheduler, a task the plugin could not decide) it runs its CPU path. Either way its
-    result is a host array, the CPU path's value."""
+    result is a host array, the CPU path's value. ``cost``: its estimated seconds on a CPU
+    thread and on a GPU slot, which the scheduler plugin weighs (read back from the graph where
+    the pass runs again over it)."""
 
-    __slots__ = ("resource",)
+    __slots__ = ("resource", "cost")
 
     def __init__(self, func: Callable[..., Any], device_name: str, prefix: str,
-                 resource: str, cpu_only: bool = False) -> None:
+                 resource: str, cost: tuple[float, float] | None = None,
+                 cpu_only: bool = False) -> None:
         super().__init__(func, device_name, prefix, cpu_only)
         self.resource = resource
+        self.cost = cost
 
     def __reduce__(self):
-        return (DualCall, (self.func, self.device_name, self.prefix, self.resource,
+        return (DualCall, (self.func, self.device_name, self.prefix, self.resource, self.cost,
                            self.cpu_only))
 
     def __repr__(self) -> str:
@@ -814,7 +818,8 @@ def cpu_path_task(task: Any) -> Any:
         return task
     if isinstance(task.func, DualCall):
         func: Callable[..., Any] = DualCall(task.func.func, task.func.device_name,
-                                            task.func.prefix, task.func.resource, cpu_only=True)
+                                            task.func.prefix, task.func.resource,
+                                            task.func.cost, cpu_only=True)
     elif isinstance(task.func, DeviceCall):
         func = DeviceCall(task.func.func, task.func.device_name, task.func.prefix,
                           cpu_only=True)
