@@ -247,8 +247,9 @@ def roles_of_rewritten(dsk: Graph, resource: str | None) -> TaskRoles:
     roles: dict[Key, RoleEntry] = {}
     for key, node in dsk.items():
         role = _rewritten_role(node)
-        if role == DUAL_ROLE and type(node) is Task and node.func.cost is not None:
-            roles[key] = (role, *node.func.cost)
+        cost = getattr(getattr(node, "func", None), "cost", None) if role == DUAL_ROLE else None
+        if cost is not None:
+            roles[key] = (DUAL_ROLE, *cost)
         elif role is not None:
             roles[key] = (role, None, None)
     return TaskRoles(roles, resource)
@@ -460,7 +461,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         if decision.device != GPU:
             if decision.dual is not None:
                 out[key] = _dual_task(node, how, inner_on_device, dual_calls,
-                                      tuple(decision.dual))
+                                      (decision.dual.thread_s, decision.dual.slot_s))
                 entry: RoleEntry = (DUAL_ROLE, *decision.dual)
             else:
                 role: Role = HOST_ROLE if decision.op in HOST_FAMILIES else CPU_ROLE
