@@ -87,7 +87,7 @@ def test_dmda_uses_both_kinds_where_the_static_plan_idles_the_cpu():
 
 def test_an_unknown_policy_is_refused_with_the_allowed_ones():
     c = costs([1.0], [None], [()])
-    with pytest.raises(ValueError, match="static, all-cpu, all-gpu, dmda, spill; got 'fastest'"):
+    with pytest.raises(ValueError, match="static, all-cpu, all-gpu, dmda, spill, dual; got 'fastest'"):
         simulate(c, ONE_GPU, "fastest")  # type: ignore[arg-type]
 
 
