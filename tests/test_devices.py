@@ -662,6 +662,12 @@ def test_large_results_land_in_pinned_blocks_by_default(fake):
     np.testing.assert_array_equal(small, big[:-512])
     assert device_stats()["d2h_pinned"] == 1 and device_stats()["d2h_count"] == 2
     assert default.memory_stats()["pinned_result_bytes"] == 64 << 20
+    assert default.memory_stats()["pinned_result_free_bytes"] == 0  # in a result
+    prometheus_client = pytest.importorskip("prometheus_client")
+    text = prometheus_client.generate_latest().decode()
+    gauge = [line for line in text.splitlines()
+             if line.startswith('eugo_device_pinned_result_bytes{device="cupy",kind="in_results"}')]
+    assert 64 << 20 in {float(line.split()[-1]) for line in gauge}  # (other tests' devices may live on)
 
 
 def _spill_until_below_target(worker_data, process_memory, limit):

@@ -423,6 +423,7 @@ class CupyDevice(Device):
             pinned = self._staging_total
         return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
                 "pinned_bytes": pinned, "pinned_result_bytes": self._results.held_bytes(),
+                "pinned_result_free_bytes": self._results.free_bytes(),
                 "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}
