@@ -12,8 +12,9 @@ warning says so (on ``progress`` and in the CPU section's ``warnings``).
 With CuPy and a usable CUDA device the GPU and its link are measured too, on the runtime's own
 paths (:func:`eugo_dask.measure.measure_gpu`): its host<->device copies as configured (staged,
 results from ``eugo.pinned-results-min`` into pinned blocks, chunks from
-``eugo.register-in-place`` page-locked) and raw pinned DMA, transfer latency, CuPy call and kernel-launch overhead, cuFFT plan creation, first use and
-per-thread set-up, and achieved bandwidth, elementwise, GEMM and FFT rates (``measured: true``).
+``eugo.register-in-place`` page-locked) and raw pinned DMA, transfer latency, CuPy call and
+kernel-launch overhead, cuFFT plan creation, first use and per-thread set-up, and achieved
+bandwidth, elementwise, GEMM and FFT rates (``measured: true``).
 Without one, the GPU and link sections come from a preset and say so (``source``).
 
 ``--quick`` takes about 5-10 s on a 2-core machine without a GPU (longer on a busy one, whose
