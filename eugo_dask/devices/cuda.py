@@ -4,9 +4,11 @@ for. This is the only module of eugo-dask that imports CuPy.
 - **copies**: through two pinned staging buffers per worker thread (:class:`_Staging`), reused,
   in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
   next, asynchronous on the task's stream inside a task scope and synchronised outside one.
-  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back
-  lands, where ``pinned_results_bytes`` allows, in a pinned block the device copies straight
-  into (:mod:`eugo_dask.devices.copies`).
+  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back of
+  ``pinned_results_min_bytes`` or more lands, where the pool's cap allows, in a pinned block
+  the device copies straight into (:mod:`eugo_dask.devices.copies`); such a block going back
+  to the device is one DMA. With ``register_min_bytes`` set, a large contiguous chunk is
+  page-locked in place (``cudaHostRegister``) for one DMA and unregistered once it has run.
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
   that run. Outside a task a copy runs on this thread's own stream, made current for it, so
   what it queues first (a strided view made contiguous) is ordered ahead of it.
