@@ -768,6 +768,18 @@ def test_a_chunk_cuda_will_not_register_is_staged(registering, why):
     assert len(fake_cupy._registered) == (why == "registered already")
 
 
+def test_a_registered_copy_that_fails_raises_its_error_and_unregisters(registering, monkeypatch):
+    dev, fake_cupy = registering
+
+    def fail(self, src, size, stream=None):
+        raise fake_cupy.CUDARuntimeError(1)  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(fake_cupy.MemoryPointer, "copy_from_host_async", fail)
+    with pytest.raises(fake_cupy.CUDARuntimeError, match="cudaError 1"):
+        dev.to_device(np.ones(20_000))
+    assert len(fake_cupy.registrations) == 1 and not fake_cupy._registered
+
+
 def test_a_pinned_result_goes_back_to_the_device_without_staging(fake, monkeypatch):
     """A result in a pinned pool block copied to the device again is one DMA from it, finished
     before to_device returns (its block may serve another result next)."""

@@ -293,7 +293,8 @@ class CupyDevice(Device):
     def _pinned_dma(self, src: np.ndarray, dst: Any, stream: Any) -> None:
         """One DMA from pinned host memory, waited for: the source may be gone (its pages
         unregistered, its pool block serving another result) once this returns. The wait is
-        on an event after the copy, on the copy's stream."""
+        on an event after the copy, on the copy's stream (in a task, the task's: behind what the
+        task queued before it)."""
         dst.copy_from_host_async(src.ctypes.data, src.size, stream)
         stream.synchronize()
 
@@ -319,8 +320,11 @@ class CupyDevice(Device):
             return False
         try:
             self._pinned_dma(src, dst, stream)
-        finally:
-            runtime.hostUnregister(ptr)
+        except BaseException:  # the copy's error is the one to tell, not the unregistering's
+            with contextlib.suppress(Exception):
+                runtime.hostUnregister(ptr)
+            raise
+        runtime.hostUnregister(ptr)
         _stats.add(h2d_registered=1)
         return True
 
