@@ -774,9 +774,15 @@ def test_a_registered_copy_that_fails_raises_its_error_and_unregisters(registeri
     def fail(self, src, size, stream=None):
         raise fake_cupy.CUDARuntimeError(1)  # cudaErrorInvalidValue
 
+    def unregister_and_complain(ptr):
+        fake_cupy.host_unregister(ptr)
+        raise fake_cupy.CUDARuntimeError(4)  # cudaErrorCudartUnloading, say
+
     monkeypatch.setattr(fake_cupy.MemoryPointer, "copy_from_host_async", fail)
-    with pytest.raises(fake_cupy.CUDARuntimeError, match="cudaError 1"):
+    monkeypatch.setattr(dev.cupy.cuda.runtime, "hostUnregister", unregister_and_complain)
+    with pytest.raises(fake_cupy.CUDARuntimeError) as raised:
         dev.to_device(np.ones(20_000))
+    assert raised.value.status == 1  # the copy's error, not the unregistering's
     assert len(fake_cupy.registrations) == 1 and not fake_cupy._registered
 
 
