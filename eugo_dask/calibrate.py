@@ -10,9 +10,11 @@ rate is measured in rounds; unstable rounds are measured again and, where they s
 warning says so (on ``progress`` and in the CPU section's ``warnings``).
 
 With CuPy and a usable CUDA device the GPU and its link are measured too, on the runtime's own
-paths (:func:`eugo_dask.measure.measure_gpu`): its staged host<->device copies and raw pinned
-DMA, transfer latency, CuPy call and kernel-launch overhead, cuFFT plan creation, first use and
-per-thread set-up, and achieved bandwidth, elementwise, GEMM and FFT rates (``measured: true``).
+paths (:func:`eugo_dask.measure.measure_gpu`): its host<->device copies as configured (staged,
+results from ``eugo.pinned-results-min`` into pinned blocks, chunks from
+``eugo.register-in-place`` page-locked) and raw pinned DMA, transfer latency, CuPy call and
+kernel-launch overhead, cuFFT plan creation, first use and per-thread set-up, and achieved
+bandwidth, elementwise, GEMM and FFT rates (``measured: true``).
 Without one, the GPU and link sections come from a preset and say so (``source``).
 
 ``--quick`` takes about 5-10 s on a 2-core machine without a GPU (longer on a busy one, whose
@@ -25,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from eugo_dask.config import device_settings
 from eugo_dask.devices import cupy_device_count
 from eugo_dask.measure import Progress, measure_cpu, measure_gpu
 from eugo_dask.profile import profile_dict, validate_profile_dict
@@ -49,7 +52,9 @@ def calibrate(*, quick: bool = False, gpu_preset: str = "h200", threads: int | N
     started = time.perf_counter()
     cpu = measure_cpu(level="quick" if quick else "full", threads=threads, progress=progress)
     if cupy_device_count():
-        gpu, link = measure_gpu(quick=quick, progress=progress)
+        # the copy path the runtime takes here: the configured staging, threads, pinned
+        # results and registration
+        gpu, link = measure_gpu(quick=quick, progress=progress, settings=device_settings())
         name, source = "calibrated", cpu["source"]
     else:
         preset = profile_dict(gpu_preset)

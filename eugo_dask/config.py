@@ -281,7 +281,8 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
 #: The device settings' keys, in :class:`~eugo_dask.devices.DeviceSettings` order.
 _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
                 "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer",
-                "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results", "eugo.gpus-per-process")
+                "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results",
+                "eugo.pinned-results-min", "eugo.register-in-place", "eugo.gpus-per-process")
 #: The values of ``eugo.dispatch``: the plan fixes every task, or tasks where neither device
 #: dominates are placed at run time.
 DISPATCH = ("static", "dual")
@@ -295,11 +296,12 @@ _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated
 @_per_distinct_values(_DEVICE_KEYS)
 def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
                     staging_size: Any, copy_threads: Any, copy_piece: Any, pinned_results: Any,
-                    gpus: Any) -> DeviceSettings:
+                    pinned_results_min: Any, register_in_place: Any, gpus: Any) -> DeviceSettings:
     """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
     ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``,
     ``eugo.staging-buffer``, the copy engine's ``eugo.copy-threads``, ``eugo.copy-piece`` and
-    ``eugo.pinned-results``, and ``eugo.gpus-per-process``, validated. Called without
+    ``eugo.pinned-results`` (the pinned result pool's cap), ``eugo.pinned-results-min`` and
+    ``eugo.register-in-place``, and ``eugo.gpus-per-process``, validated. Called without
     arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
@@ -324,13 +326,16 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     if piece < 64 * 1024:
         raise ValueError(f"eugo.copy-piece must be at least 64 KiB; got {copy_piece!r}")
     results = _size("eugo.pinned-results", pinned_results)
-    assert results is not None
+    results_min = _size("eugo.pinned-results-min", pinned_results_min)
+    register = _size("eugo.register-in-place", register_in_place, allow_none=True)
+    assert results is not None and results_min is not None
     if not isinstance(gpus, str) or gpus not in GPUS_PER_PROCESS:
         raise ValueError(f"eugo.gpus-per-process must be one of {list(GPUS_PER_PROCESS)}; got {gpus!r}")
     return DeviceSettings(memory_fraction=fraction, fft_plan_cache_size=plans,
                           fft_plan_cache_bytes=plan_bytes, idle_release_s=idle_s,
                           staging_bytes=staging, copy_threads=copy_threads, copy_piece_bytes=piece,
-                          pinned_results_bytes=results, gpus=gpus)
+                          pinned_results_bytes=results, pinned_results_min_bytes=results_min,
+                          register_min_bytes=register, gpus=gpus)
 
 
 @_per_distinct_values(_DEVICE_PATH_KEYS)

@@ -459,8 +459,9 @@ print(time.perf_counter() - start)
 
 def measure_link(device: CupyDevice, *, sizes: Sequence[int], repeat: int = 3,
                  progress: Progress = print) -> dict[str, Any]:
-    """Copy rates on the runtime's own path (:meth:`CupyDevice.to_device`/``to_host``: staged
-    through pinned buffers, into a new host array for each copy back, as a task does) and on
+    """Copy rates on the runtime's own path (:meth:`CupyDevice.to_device`/``to_host`` as
+    ``device.settings`` say: staged through pinned buffers, large results into pinned pool
+    blocks, others into a new host array for each copy back, as a task does) and on
     raw DMA from and to a warm pinned buffer, at each size in ``sizes`` (bytes), plus the
     latency of an 8-byte copy. Returns ``{"sizes": [...], "h2d": [...], ... (bytes per second)}``."""
     cupy = device.cupy
@@ -476,6 +477,16 @@ def measure_link(device: CupyDevice, *, sizes: Sequence[int], repeat: int = 3,
         tiny = np.ones(1, dtype=np.float64)
         out["latency_s"] = best_seconds(lambda: device.to_device(tiny, 0), repeat=20)
     return out
+
+
+def _copy_path(settings: DeviceSettings) -> str:
+    """The copy path the link figures were measured on, in words."""
+    words = [f"eugo's copies: {settings.staging_bytes >> 20} MiB pinned staging buffers"]
+    if settings.pinned_results_bytes:
+        words.append(f"results of {settings.pinned_results_min_bytes >> 20} MiB or more into pinned blocks")
+    if settings.register_min_bytes is not None:
+        words.append(f"chunks of {settings.register_min_bytes >> 20} MiB or more page-locked in place")
+    return ", ".join(words)
 
 
 def _link_rates(device: CupyDevice, nbytes: int, repeat: int) -> dict[str, float]:
@@ -635,8 +646,7 @@ def measure_gpu(*, quick: bool, progress: Progress = print,
         gpu["thread_setup_s"] = thread_setup
     largest = -1  # the largest size: what chunks of tens to hundreds of MiB see
     link = {
-        "name": f"host link of {name} (eugo's staged copies, {device.settings.staging_bytes >> 20} MiB "
-                "pinned buffers)",
+        "name": f"host link of {name} ({_copy_path(device.settings)})",
         "h2d_bytes_per_s": link_rates["h2d"][largest],
         "d2h_bytes_per_s": link_rates["d2h"][largest],
         "pinned_h2d_bytes_per_s": max(link_rates["pinned_h2d"]),

@@ -201,15 +201,16 @@ class Bound:
 
 
 def lower_bound(costs: Costs, machine: Machine, *, lp_max_tasks: int = LP_MAX_TASKS,
-                time_limit_s: float | None = None) -> Bound:
+                lp_iterations: int | None = None) -> Bound:
     """No schedule of ``costs`` on ``machine`` finishes sooner (see the module docstring): the
-    LP up to ``lp_max_tasks`` tasks (within ``time_limit_s`` of HiGHS, where given), else, or
-    where the LP gives no answer, the parts bound."""
+    LP up to ``lp_max_tasks`` tasks (within ``lp_iterations`` of HiGHS's simplex, where given:
+    a limit of work, not of time, so that the answer does not depend on how busy the machine
+    is), else, or where the LP gives no answer, the parts bound."""
     if machine.gpus == 0 or not any(g is not None for g in costs.gpu_s):
         return _parts_bound(costs, machine)
     if len(costs) <= lp_max_tasks:
         try:
-            bound = _lp_bound(costs, machine, time_limit_s)
+            bound = _lp_bound(costs, machine, lp_iterations)
         except ImportError:
             bound = None
         if bound is not None:
@@ -284,7 +285,7 @@ def _parts_bound(costs: Costs, machine: Machine) -> Bound:
     return Bound(max(parts.values()), parts, share, "parts")
 
 
-def _lp_bound(costs: Costs, machine: Machine, time_limit_s: float | None) -> Bound | None:
+def _lp_bound(costs: Costs, machine: Machine, iterations: int | None) -> Bound | None:
     import numpy as np
     from scipy.optimize import linprog
     from scipy.sparse import coo_array
@@ -364,11 +365,12 @@ def _lp_bound(costs: Costs, machine: Machine, time_limit_s: float | None) -> Bou
     for i in x_of.values():
         upper[i] = 1.0
     matrix = coo_array((vals, (rows, cols)), shape=(len(rhs), var)).tocsr()
-    options = {"time_limit": time_limit_s} if time_limit_s is not None else {}
+    options = {"maxiter": iterations} if iterations is not None else {}
+    # the dual simplex: deterministic, one thread (HiGHS's choice between methods is its own)
     result = linprog(objective, A_ub=matrix, b_ub=np.asarray(rhs),
-                     bounds=np.column_stack([np.zeros(var), upper]), method="highs",
+                     bounds=np.column_stack([np.zeros(var), upper]), method="highs-ds",
                      options=options)
-    if result.status != 0:  # out of time (the all-CPU schedule is feasible: nothing else)
+    if result.status != 0:  # out of iterations (the all-CPU schedule is feasible: nothing else)
         return None
     # the LP's optimum, less its solver's tolerance, is the bound; the parts below describe the
     # split it found (splits clipped to [0, 1]: the solver's may stray by its tolerance)
@@ -611,9 +613,11 @@ def simulate(costs: Costs, machine: Machine, policy: Policy, *,
 #: explain() simulates graphs up to this many described tasks (Dask's ordering alone takes
 #: seconds past it)
 SIMULATE_MAX_TASKS: Final = 100_000
-#: explain()'s bound: the LP up to this many tasks, given at most this many seconds
+#: explain()'s bound: the LP up to this many tasks, given at most this many simplex iterations
+#: (the largest graphs tests/test_shared_description.py explains, a map_overlap and a
+#: matmul-sum, need 2,200 and 5,100: under a second each on a loaded 2-core machine)
 EXPLAIN_LP_MAX_TASKS: Final = 3_000
-EXPLAIN_LP_SECONDS: Final = 1.0
+EXPLAIN_LP_ITERATIONS: Final = 20_000
 
 
 @dataclass(frozen=True)
@@ -653,13 +657,13 @@ def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
               copies: CopyMode = "link") -> Summary | None:
     """The plan on the profile's machine (its threads and GPUs), or None past
     :data:`SIMULATE_MAX_TASKS` tasks. The bound is the LP up to :data:`EXPLAIN_LP_MAX_TASKS`
-    tasks and within :data:`EXPLAIN_LP_SECONDS`, else the parts bound: explain() stays fast."""
+    tasks and within :data:`EXPLAIN_LP_ITERATIONS`, else the parts bound: explain() stays fast."""
     if len(description.task_keys) > SIMULATE_MAX_TASKS:
         return None
     machine = Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
     costs = Costs.from_plan(graph, keys, description, plan, cpu_threads=profile.cpu.threads)
     bound = lower_bound(costs, machine, lp_max_tasks=EXPLAIN_LP_MAX_TASKS,
-                        time_limit_s=EXPLAIN_LP_SECONDS)
+                        lp_iterations=EXPLAIN_LP_ITERATIONS)
     # (dual tasks as the scheduler plugin places them, where the plan has any)
     policy: Policy = "dual" if costs.dual else "static"
     return Summary(machine, costs, bound, simulate(costs, machine, policy, copies=copies))

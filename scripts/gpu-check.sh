@@ -70,7 +70,7 @@ checks="python3 scripts/device_check.py"
 step env 20 bash -c 'nvidia-smi || echo "nvidia-smi: not here"; python3 scripts/device_check.py env --json "$1"' \
   _ "$results"
 step copies 45 $checks copies --json "$results"
-step engine 50 $checks engine --json "$results"
+step engine 70 $checks engine --json "$results"
 step timing 25 $checks timing --json "$results"
 step waits 20 $checks waits --json "$results"
 step pytest-gpu 150 python3 -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider -q -rs

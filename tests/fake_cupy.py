@@ -29,6 +29,15 @@ What it keeps of CUDA (and of CuPy on top of it):
 - **0-d NumPy arguments are refused** by elementwise operations (``TypeError: Unsupported
   type <class 'numpy.ndarray'>``), as CuPy's ``_kernel._preprocess_arg`` refuses them, except
   in comparisons, where CuPy's ``__array_ufunc__`` takes their value (``.item()``).
+- **page-locking in place** (``runtime.hostRegister``/``hostUnregister``, CUDA's
+  ``cudaHostRegister``): registered host memory is pinned (copies from and to it are queued);
+  registering pages already registered or allocated pinned is refused
+  (``cudaErrorHostMemoryAlreadyRegistered``, 712), unregistering what is not registered too
+  (``cudaErrorHostMemoryNotRegistered``, 713), and :data:`refuse_registration` makes every
+  registration fail with a status (as read-only or special memory does). A queued copy that
+  runs after its host memory stopped being pinned (unregistered or freed before anything waited
+  for it) reads or writes memory CUDA no longer holds: its destination gets NaN bytes and it is
+  logged in :data:`unpinned_copies`.
 - **fork**: a CUDA call in a child forked after the parent used CUDA fails with
   ``cudaErrorInitializationError`` (3), as CUDA does.
 - a pool limit, per-thread cuFFT plan caches, CUDA errors with a status.
@@ -53,7 +62,17 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 _local = threading.local()
 _stream_ids = itertools.count(1)
-_pinned_ranges: list[tuple[int, int]] = []
+_pinned_ranges: list[tuple[int, int]] = []  # allocated pinned (PinnedMemory)
+#: Host memory registered in place: start address -> the pages it locked ([first, end) bytes).
+_registered: dict[int, tuple[int, int]] = {}
+#: Every registration: (address, bytes).
+registrations: list[tuple[int, int]] = []
+#: A status every hostRegister fails with (None: registration works).
+refuse_registration: list[int | None] = [None]
+#: Queued copies that ran after their host memory stopped being pinned: (address, bytes).
+unpinned_copies: list[tuple[int, int]] = []
+PAGE = 4096
+ALREADY_REGISTERED, NOT_REGISTERED = 712, 713  # cudaErrorHostMemory{Already,Not}Registered
 _run_lock = threading.RLock()  # queued work runs under it (one order, no lock-order deadlock)
 #: Every wait the host made: ("event", blocking flag) or ("stream", False) (a stream
 #: synchronisation spins or yields as the device flags say: the default spins).
@@ -76,8 +95,33 @@ def _current_device() -> int:
     return getattr(_local, "device", 0)
 
 
-def _is_pinned(ptr: int) -> bool:
-    return any(start <= ptr < end for start, end in _pinned_ranges)
+def _is_pinned(ptr: int, size: int = 1) -> bool:
+    """Whether host bytes ``[ptr, ptr + size)`` are pinned: in one pinned allocation or one
+    registered range."""
+    return any(start <= ptr and ptr + size <= end
+               for start, end in [*_pinned_ranges, *_registered.values()])
+
+
+def host_register(ptr: int, size: int, flags: int) -> None:
+    """``cudaHostRegister``: page-lock ``size`` bytes at ``ptr`` in place (whole pages)."""
+    _cuda()
+    if refuse_registration[0] is not None:
+        raise CUDARuntimeError(refuse_registration[0])
+    first, end = ptr // PAGE * PAGE, -(-(ptr + size) // PAGE) * PAGE
+    with _run_lock:
+        if any(a < end and first < b for a, b in [*_pinned_ranges, *_registered.values()]):
+            raise CUDARuntimeError(ALREADY_REGISTERED)
+        _registered[ptr] = (first, end)
+        registrations.append((ptr, size))
+
+
+def host_unregister(ptr: int) -> None:
+    """``cudaHostUnregister``: the pages registered at ``ptr`` are pageable again (no wait
+    for copies queued on them)."""
+    _cuda()
+    with _run_lock:
+        if _registered.pop(ptr, None) is None:
+            raise CUDARuntimeError(NOT_REGISTERED)
 
 
 class CUDARuntimeError(RuntimeError):
@@ -326,6 +370,18 @@ class _Pool:
 pool = _Pool()
 
 
+def _pinned_copy(dst: int, src: int, size: int, host: int, memory: np.ndarray) -> None:
+    """A queued copy between device and pinned host memory, as it runs: where the host memory
+    is no longer pinned, the DMA's bytes are undefined: logged, and a copy to the device leaves
+    NaN bytes (one to the host writes nothing: its memory may be freed)."""
+    if _is_pinned(host, size):
+        ctypes.memmove(dst, src, size)
+        return
+    unpinned_copies.append((host, size))
+    if dst != host:
+        ctypes.memset(dst, 0xFF, size)
+
+
 class MemoryPointer:
     def __init__(self, block: _Block, offset: int = 0) -> None:
         self.block, self.offset = block, offset
@@ -339,12 +395,11 @@ class MemoryPointer:
         _cuda()
         stream = _resolve(stream)
         memory = self.block.buffer  # the queued copy holds the memory, not the block (as CUDA)
-        op = lambda: ctypes.memmove(dst, src, size) and memory
-        if _is_pinned(host):
-            stream._enqueue(op)  # runs when something waits for it
+        if _is_pinned(host, size):
+            stream._enqueue(lambda: _pinned_copy(dst, src, size, host, memory))  # runs when waited for
         else:
             stream._run()  # pageable memory: the copy waits for the stream and ends on return
-            op()
+            ctypes.memmove(dst, src, size)
 
     def copy_from_host_async(self, src: int, size: int, stream=None) -> None:
         self._copy(self.ptr, int(src), size, stream, int(src))
@@ -453,8 +508,13 @@ class _PinnedPool:
 
 
 class PinnedMemory:
+    """``cudaHostAlloc``: whole pages of its own (no other allocation shares one)."""
+
     def __init__(self, size: int, flags: int = 0) -> None:
-        self.buffer = np.zeros(size, dtype=np.uint8)
+        pages = -(-max(size, 1) // PAGE) * PAGE
+        whole = np.zeros(pages + PAGE, dtype=np.uint8)
+        start = -whole.ctypes.data % PAGE
+        self.buffer = whole[start:start + size]
         self.ptr = self.buffer.ctypes.data
         self.size = size
         _pinned_ranges.append((self.ptr, self.ptr + size))
@@ -523,6 +583,10 @@ def reset() -> None:
     synchronize_device()
     pool.reset()
     waits.clear()
+    _registered.clear()
+    registrations.clear()
+    unpinned_copies.clear()
+    refuse_registration[0] = None
 
 
 def module(device_count: int = 1) -> types.SimpleNamespace:
@@ -531,7 +595,7 @@ def module(device_count: int = 1) -> types.SimpleNamespace:
     runtime = types.SimpleNamespace(
         CUDARuntimeError=CUDARuntimeError, hostAllocPortable=1, eventBlockingSync=1,
         eventDisableTiming=2, getDeviceCount=lambda: _get_device_count(device_count),
-        getDevice=_get_device)
+        getDevice=_get_device, hostRegister=host_register, hostUnregister=host_unregister)
     cuda = types.SimpleNamespace(
         Device=Device, Stream=Stream, Event=Event, get_current_stream=get_current_stream,
         get_elapsed_time=get_elapsed_time, runtime=runtime,

@@ -50,6 +50,27 @@ def test_quick_calibration_is_a_valid_profile(quick_profile):
     assert any("matmul" in m for m in messages) and messages[-1].startswith("done in")
 
 
+def test_calibration_measures_the_configured_copy_path(quick_profile, monkeypatch):
+    """Where a GPU is measured, its copies run with the device settings in force (pinned
+    results, registration), as the runtime's do; the link's name says which path."""
+    from eugo_dask import calibrate as calibrate_module
+    from eugo_dask.devices import DeviceSettings
+    from eugo_dask.measure import _copy_path
+
+    profile, _ = quick_profile
+    seen = []
+    monkeypatch.setattr(calibrate_module, "cupy_device_count", lambda: 1)
+    monkeypatch.setattr(calibrate_module, "measure_cpu", lambda **_: profile["cpu"])
+    monkeypatch.setattr(calibrate_module, "measure_gpu",
+                        lambda **kw: seen.append(kw.get("settings")) or (profile["gpu"], profile["link"]))
+    with dask.config.set({"eugo.pinned-results-min": "16 MiB", "eugo.register-in-place": "256 MiB"}):
+        assert calibrate(quick=True, progress=lambda _: None)["name"] == "calibrated"
+    assert (seen[0].pinned_results_min_bytes, seen[0].register_min_bytes) == (16 << 20, 256 << 20)
+    assert _copy_path(seen[0]) == ("eugo's copies: 8 MiB pinned staging buffers, results of 16 MiB or "
+                                   "more into pinned blocks, chunks of 256 MiB or more page-locked in place")
+    assert _copy_path(DeviceSettings(pinned_results_bytes=0)) == "eugo's copies: 8 MiB pinned staging buffers"
+
+
 def test_calibrated_profile_prices_tasks(quick_profile, tmp_path):
     profile, _ = quick_profile
     path = tmp_path / "p.yaml"

@@ -68,6 +68,10 @@ def test_defaults_registered():
         ("eugo.device-idle-release", 0, r"eugo.device-idle-release must be a duration"),
         ("eugo.staging-buffer", "1 kiB", r"eugo.staging-buffer must be 0 or at least 64 KiB; got 1024"),
         ("eugo.staging-buffer", -5, r"eugo.staging-buffer must be a byte count or size like '1 GiB'; got -5"),
+        ("eugo.pinned-results-min", "big", r"eugo.pinned-results-min must be a byte count or size like '1 GiB'; got 'big'"),
+        ("eugo.pinned-results-min", None, r"eugo.pinned-results-min must be a byte count or size like '1 GiB'; got None"),
+        ("eugo.register-in-place", True, r"eugo.register-in-place must be a byte count or size like '1 GiB', or null; got True"),
+        ("eugo.register-in-place", "-1 MiB", r"eugo.register-in-place must be a byte count or size like '1 GiB', or null; got '-1 MiB'"),
     ],
 )
 def test_bad_settings_raise_clear_errors(key, value, match):

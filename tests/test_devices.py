@@ -585,14 +585,14 @@ def test_staged_copies_split_over_threads_on_fake_cupy(fake, monkeypatch):
 
 
 def test_results_land_in_pinned_blocks_from_a_bounded_pool(fake):
-    """With pinned-results set, a result copied back is a pool block the device copies into
-    straight (one DMA, waited for); the block serves the next result once its array is gone,
-    and a full pool falls back to staging into a new array."""
+    """A result copied back of at least pinned-results-min is a pool block the device copies
+    into straight (one DMA, waited for); the block serves the next result once its array is
+    gone, and a full pool falls back to staging into a new array."""
     import gc
 
     dev, fake_cupy = fake
-    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024,
-                                                pinned_results_bytes=768 * 1024))
+    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, pinned_results_bytes=768 * 1024,
+                                                pinned_results_min_bytes=64 * 1024))
     pooled.direct_copy_bytes = 4096
     host = np.arange(60_000, dtype=np.float64).reshape(300, 200)  # 480 kB
     out = pooled.to_host(pooled.to_device(host))
@@ -609,7 +609,7 @@ def test_results_land_in_pinned_blocks_from_a_bounded_pool(fake):
     assert again.ctypes.data == address and again.flags.f_contiguous
     np.testing.assert_array_equal(again, host * 3)
     assert pooled.memory_stats()["pinned_result_bytes"] == pooled._results.held_bytes() == 512 * 1024
-    assert dev._results.empty((1000,), np.float64) is None  # off by default
+    assert dev._results.empty((1000,), np.float64) is None  # below pinned-results-min
     del again
     pooled._results.clear()
 
@@ -642,6 +642,197 @@ def test_a_result_pool_reuses_by_size_class_and_stays_bounded():
     # the 8 kB block was dropped (the first free one), the 10 kB one kept: 24 kB held
     assert d is not None and made[-1] == 14336 and pool.held_bytes() == 24 * 1024
     assert pool.free_bytes() == 10240 and pool.clear() == 10240 and pool.held_bytes() == 14336
+
+
+def test_large_results_land_in_pinned_blocks_by_default(fake):
+    """With the configured defaults, a result copied back of 64 MiB or more is a pinned pool
+    block (one DMA, counted in d2h_pinned); one just below is staged into a new array."""
+    from eugo_dask.config import device_settings
+
+    dev, fake_cupy = fake
+    settings = device_settings()
+    assert (settings.pinned_results_bytes, settings.pinned_results_min_bytes) == (1 << 30, 64 << 20)
+    default = type(dev)(dev.cupy, settings)
+    big = np.arange(8 << 20, dtype=np.float64)  # 64 MiB
+    out = default.to_host(default.to_device(big))
+    assert default._results.owns(out) and fake_cupy._is_pinned(out.ctypes.data, out.nbytes)
+    np.testing.assert_array_equal(out, big)
+    small = default.to_host(default.to_device(big[:-512]))  # 4 kB short of 64 MiB
+    assert not default._results.owns(small)
+    np.testing.assert_array_equal(small, big[:-512])
+    assert device_stats()["d2h_pinned"] == 1 and device_stats()["d2h_count"] == 2
+    assert default.memory_stats()["pinned_result_bytes"] == 64 << 20
+    assert default.memory_stats()["pinned_result_free_bytes"] == 0  # in a result
+    prometheus_client = pytest.importorskip("prometheus_client")
+    text = prometheus_client.generate_latest().decode()
+    gauge = [line for line in text.splitlines()
+             if line.startswith('eugo_device_pinned_result_bytes{device="cupy",kind="in_results"}')]
+    assert 64 << 20 in {float(line.split()[-1]) for line in gauge}  # (other tests' devices may live on)
+
+
+def _spill_until_below_target(worker_data, process_memory, limit):
+    """distributed's memory monitor on ``worker_data``: past the spill threshold (70% of
+    ``limit``) evict until process memory is below target (60%)."""
+    import asyncio
+    import gc
+
+    from distributed.worker_memory import WorkerMemoryManager
+
+    manager = types.SimpleNamespace(
+        memory_limit=limit, memory_target_fraction=0.6, memory_spill_fraction=0.7, data=worker_data,
+        memory_monitor_interval=3600, _throttled_gc=types.SimpleNamespace(collect=gc.collect),
+        _maybe_pause_or_unpause=lambda *args: None)
+    worker = types.SimpleNamespace(monitor=types.SimpleNamespace(get_process_memory=process_memory))
+    asyncio.run(asyncio.wait_for(WorkerMemoryManager._spill(manager, worker, process_memory()), 30))
+
+
+def test_spilling_a_pinned_result_gives_its_block_back_to_the_host(fake, tmp_path):
+    """A result in a pinned block weighs its bytes in the spill buffer, and spilling it frees
+    host memory: its block, free in the pool once the value is on disk, is given back before
+    the next value is evicted (pinned_released_bytes). Without that the process's memory
+    stayed where it was and distributed went on until every value was on disk."""
+    from distributed.spill import SpillBuffer
+
+    from eugo_dask.devices.accounting import release_host_caches
+
+    dev, fake_cupy = fake
+    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, pinned_results_bytes=1 << 20,
+                                                pinned_results_min_bytes=64 * 1024))
+    pooled.direct_copy_bytes = 4096
+    release_host_caches()  # other tests' devices' free blocks
+    reset_device_stats()
+
+    class Worker:
+        data = SpillBuffer(str(tmp_path), target=10 << 20)
+
+    worker = Worker()
+    assert install_device_accounting(worker)
+    for i in range(3):
+        worker.data[f"r{i}"] = pooled.to_host(pooled.to_device(np.full(32 * 1024, float(i))))  # 256 kB
+    assert pooled._results.held_bytes() == 768 * 1024 and worker.data.fast.total_weight == 768 * 1024
+    limit = 1 << 20  # spill past 734 kB, down to 629 kB: one result's 256 kB is enough
+    _spill_until_below_target(worker.data, lambda: pooled._results.held_bytes(), limit)
+    assert len(worker.data.slow) == 1 and len(worker.data.fast) == 2
+    assert pooled._results.held_bytes() == 512 * 1024
+    assert device_stats()["pinned_released_bytes"] == 256 * 1024
+    for i in range(3):
+        np.testing.assert_array_equal(worker.data[f"r{i}"], np.full(32 * 1024, float(i)))
+
+
+@pytest.fixture
+def registering(fake):
+    """A CupyDevice on the stand-in CuPy that page-locks host chunks of 64 kB and more in place."""
+    dev, fake_cupy = fake
+    dev = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, register_min_bytes=64 * 1024))
+    dev.direct_copy_bytes = 4096
+    return dev, fake_cupy
+
+
+def test_large_chunks_are_registered_in_place_for_one_dma(registering):
+    """A contiguous chunk of register-in-place bytes or more is page-locked, copied in one DMA
+    and unregistered only once the copy has run (the stand-in fills a copy whose host memory
+    stopped being pinned with NaN bytes); in a task too, where the chunk may change or go as
+    soon as to_device returns. Small and strided chunks are staged."""
+    dev, fake_cupy = registering
+    host = np.arange(40_000, dtype=np.float64).reshape(200, 200)  # 320 kB
+    on_device = dev.to_device(host)
+    assert fake_cupy.registrations == [(host.ctypes.data, host.nbytes)] and not fake_cupy._registered
+    np.testing.assert_array_equal(on_device.peek(), host)
+    with dev.task(0):
+        chunk = np.asfortranarray(host * 2)
+        inside = dev.to_device(chunk)
+        chunk[:] = -1  # the copy has run: changing the chunk changes nothing on the device
+    np.testing.assert_array_equal(dev.to_host(inside), host * 2)
+    assert len(fake_cupy.registrations) == 2 and not fake_cupy._registered
+    assert not fake_cupy.unpinned_copies
+    dev.to_device(host[:, ::2].copy()[:4])  # 6.4 kB: below the threshold
+    dev.to_device(host[:, ::2])  # strided: made contiguous (a new array) and staged
+    assert len(fake_cupy.registrations) == 2
+    stats = device_stats()
+    assert stats["h2d_registered"] == 2 and stats["h2d_register_refused"] == 0
+    assert dev.memory_stats()["pinned_bytes"] == 2 * 64 * 1024  # staging buffers for the strided one
+
+
+@pytest.mark.parametrize("why", ["registered already", "refused"])
+def test_a_chunk_cuda_will_not_register_is_staged(registering, why):
+    """Pages registered already (another copy of the same chunk, a neighbouring view) or memory
+    CUDA will not page-lock: the copy is staged, the other registration left alone."""
+    dev, fake_cupy = registering
+    host = np.arange(20_000, dtype=np.float64)  # 160 kB
+    if why == "registered already":
+        fake_cupy.host_register(host[1000:].ctypes.data, 8, 0)  # a page in the middle
+    else:
+        fake_cupy.refuse_registration[0] = 1  # cudaErrorInvalidValue (read-only memory, say)
+    np.testing.assert_array_equal(dev.to_host(dev.to_device(host)), host)
+    assert device_stats()["h2d_registered"] == 0 and device_stats()["h2d_register_refused"] == 1
+    assert len(fake_cupy._registered) == (why == "registered already")
+
+
+def test_a_registered_copy_that_fails_raises_its_error_and_unregisters(registering, monkeypatch):
+    dev, fake_cupy = registering
+
+    def fail(self, src, size, stream=None):
+        raise fake_cupy.CUDARuntimeError(1)  # cudaErrorInvalidValue
+
+    def unregister_and_complain(ptr):
+        fake_cupy.host_unregister(ptr)
+        raise fake_cupy.CUDARuntimeError(4)  # cudaErrorCudartUnloading, say
+
+    monkeypatch.setattr(fake_cupy.MemoryPointer, "copy_from_host_async", fail)
+    monkeypatch.setattr(dev.cupy.cuda.runtime, "hostUnregister", unregister_and_complain)
+    with pytest.raises(fake_cupy.CUDARuntimeError) as raised:
+        dev.to_device(np.ones(20_000))
+    assert raised.value.status == 1  # the copy's error, not the unregistering's
+    assert len(fake_cupy.registrations) == 1 and not fake_cupy._registered
+
+
+def test_a_pinned_result_goes_back_to_the_device_without_staging(fake, monkeypatch):
+    """A result in a pinned pool block copied to the device again is one DMA from it, finished
+    before to_device returns (its block may serve another result next)."""
+    dev, fake_cupy = fake
+    sources = []
+    dma = fake_cupy.MemoryPointer.copy_from_host_async
+    monkeypatch.setattr(fake_cupy.MemoryPointer, "copy_from_host_async",
+                        lambda self, src, size, stream=None: sources.append((src, size)) or dma(self, src, size, stream))
+    pooled = type(dev)(dev.cupy, DeviceSettings(staging_bytes=64 * 1024, pinned_results_bytes=1 << 20,
+                                                pinned_results_min_bytes=64 * 1024))
+    pooled.direct_copy_bytes = 4096
+    back = np.arange(30_000, dtype=np.float64)
+    with pooled.task(0):
+        result = pooled.to_host(pooled.to_device(back))  # staged there, into a pinned block
+    staging = pooled.memory_stats()["pinned_bytes"]
+    sources.clear()
+    with pooled.task(0):
+        again = pooled.to_device(result)
+        assert sources == [(result.ctypes.data, result.nbytes)]  # one DMA, straight from the block
+        result[:] = 0  # the DMA out of the block has run
+    np.testing.assert_array_equal(pooled.to_host(again), back)
+    assert pooled.memory_stats()["pinned_bytes"] == staging and not fake_cupy.unpinned_copies
+
+
+def test_fake_cupy_registration_follows_cuda(fake):
+    """The stand-in's cudaHostRegister: pinned in place, refused twice (whole pages), refused
+    on pinned allocations; a copy queued from registered memory that runs after it is
+    unregistered reads memory CUDA no longer holds."""
+    _, fake_cupy = fake
+    host = np.ones(3 * 4096)
+    fake_cupy.host_register(host.ctypes.data, host.nbytes, 0)
+    assert fake_cupy._is_pinned(host.ctypes.data, host.nbytes)
+    for ptr, size in ((host.ctypes.data, 8), (host[-1:].ctypes.data, 8)):
+        with pytest.raises(fake_cupy.CUDARuntimeError) as refused:
+            fake_cupy.host_register(ptr, size, 0)
+        assert refused.value.status == fake_cupy.ALREADY_REGISTERED
+    pinned = fake_cupy.PinnedMemory(4096)
+    with pytest.raises(fake_cupy.CUDARuntimeError, match="712"):
+        fake_cupy.host_register(pinned.ptr, 16, 0)
+    out = fake_cupy.empty(host.shape)
+    stream = fake_cupy.Stream(non_blocking=True)
+    out.data.copy_from_host_async(host.ctypes.data, host.nbytes, stream)  # queued (pinned)
+    fake_cupy.host_unregister(host.ctypes.data)  # too early: nothing waited for the copy
+    stream.synchronize()
+    assert fake_cupy.unpinned_copies == [(host.ctypes.data, host.nbytes)] and np.isnan(out.peek()).all()
+    with pytest.raises(fake_cupy.CUDARuntimeError, match="713"):
+        fake_cupy.host_unregister(host.ctypes.data)
 
 
 def test_several_fake_gpus_select_and_move(fake):

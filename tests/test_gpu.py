@@ -1,6 +1,7 @@
 """The real CuPy device. Skipped where CuPy or a usable CUDA device is missing (never required).
 
 What the emulated device cannot show is tested here: the staged copies through pinned buffers,
+chunks page-locked in place and results in pinned blocks,
 a task scope that synchronises (launch time against device time), a slow kernel ahead of a copy
 back outside a task (ordered), a thread asleep while a scope waits (its CPU time), CuPy's pool
 limit and FFT plan caches, a sticky CUDA error (in a subprocess: it ruins the process's
@@ -113,6 +114,31 @@ def test_copies_while_other_threads_copy(device):
         t.join()
     assert not errors
     assert device.memory_stats()["pinned_bytes"] <= 4 * 2 * (1 << 20)  # two buffers per thread at most
+
+
+@pytest.mark.parametrize("in_task", [False, True])
+def test_registered_and_pinned_copies_on_cuda(cupy, in_task):
+    """On CUDA: a 16 MiB chunk page-locked in place, one DMA, unregistered after (registering
+    it again works); a chunk whose pages another registration holds is staged (CUDA refuses
+    it: cudaErrorHostMemoryAlreadyRegistered); the result copied back into a pinned block."""
+    eugo_dask.reset_device_stats()
+    dev = CupyDevice(cupy, DeviceSettings(register_min_bytes=8 << 20, pinned_results_min_bytes=8 << 20))
+    host = np.random.default_rng(0).random(2 << 20)  # 16 MiB
+    scope = dev.task(0) if in_task else contextlib.nullcontext()
+    with scope:
+        on_device = dev.to_device(host)
+        back = dev.to_host(on_device * 2)
+    np.testing.assert_array_equal(back, host * 2)
+    assert dev._results.owns(back)
+    runtime = cupy.cuda.runtime
+    runtime.hostRegister(host.ctypes.data, host.nbytes, 0)  # unregistered by the copy: free again
+    try:
+        np.testing.assert_array_equal(cupy.asnumpy(dev.to_device(host)), host)  # staged
+    finally:
+        runtime.hostUnregister(host.ctypes.data)
+    stats = eugo_dask.device_stats()
+    assert (stats["h2d_registered"], stats["h2d_register_refused"], stats["d2h_pinned"]) == (1, 1, 1)
+    dev.release_memory()
 
 
 def test_task_scope_waits_for_the_device(device, cupy):

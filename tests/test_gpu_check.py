@@ -54,3 +54,41 @@ def test_distributed_check_on_the_emulated_device(tmp_path):
     assert result["ok"], result
     assert result["workers"]["gpu"]["device_stats"]["tasks"] > 0
     assert result["workers"]["cpu"]["device_stats"]["tasks"] == 0
+
+
+def test_engine_check_measures_every_column_and_keeps_a_failing_ones_error(monkeypatch, tmp_path):
+    """The engine step on the stand-in CuPy (sizes cut to 1 and 2 MiB): staged, pinned-result,
+    registered and default columns against DMA and registration alone; a column that raises
+    is recorded with its error and the others are still measured and written."""
+    import importlib.util
+
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=1)
+    monkeypatch.setitem(sys.modules, "cupy", module)
+    monkeypatch.setitem(sys.modules, "cupy.fft", module.fft)
+    monkeypatch.setitem(sys.modules, "cupy.fft.config", module.fft.config)
+    fake_cupy.reset()
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    device_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(device_check)
+    monkeypatch.setattr(device_check, "gpu", lambda: module)
+    monkeypatch.setattr(device_check, "ENGINE_SIZES_MIB", (1, 2))
+    monkeypatch.setattr(CupyDevice, "_pinned_dma", lambda *args: 1 / 0)  # registered copies fail
+    results = tmp_path / "results.jsonl"
+    monkeypatch.setattr(sys, "argv", ["device_check.py", "engine", "--json", str(results)])
+    with pytest.raises(SystemExit) as done:
+        device_check.main()
+    assert done.value.code == 0
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    result = record["result"]
+    assert record["status"] == "ok" and [row["MiB"] for row in result["rows"]] == [1, 2]
+    two = result["rows"][1]["GBps"]
+    assert {"dma_h2d", "dma_d2h", "register_h2d", "threads1_h2d", "threads8_d2h", "defaults_h2d",
+            "defaults_d2h"} <= set(two)
+    assert "threads4_registered_h2d" not in two and "threads4_pinned_d2h" in two
+    assert "threads4_registered_h2d" in result["rows"][0]["GBps"]  # 1 MiB: copied straight, no registration
+    assert result["errors"] == {"threads4_registered_h2d": "2 MiB: ZeroDivisionError: division by zero"}
+    assert result["paths"]["d2h_pinned"] > 0 and result["paths"]["h2d_registered"] == 0

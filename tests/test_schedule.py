@@ -209,3 +209,29 @@ def test_a_free_thread_takes_the_next_ready_task_rather_than_wait_for_dask_s_nex
     machine = Machine(cpu_threads=2, gpus=0, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
     assert simulate(c, machine, "all-cpu").makespan_s == pytest.approx(2.0)
     assert lower_bound(c, machine).seconds == pytest.approx(2.0)
+
+
+def _many_small_chains(scale: float) -> Costs:
+    """200 chains of three tasks, microseconds each (times ``scale``), a few KiB a value: a
+    graph of the size and scale explain() bounds for a map_overlap."""
+    cpu, gpu, deps, nbytes = [], [], [], []
+    for c in range(200):
+        base = len(cpu)
+        for j in range(3):
+            cpu.append((3 + (c * 7 + j) % 5) * 1e-6 * scale)
+            gpu.append((2 + (c * 3 + j) % 4) * 1e-6 * scale if j != 1 else None)
+            deps.append((base + j - 1,) if j else ())
+            nbytes.append(int(4096 * scale))
+    return costs(cpu, gpu, deps, nbytes=nbytes, outputs={i for i in range(len(cpu)) if i % 3 == 2})
+
+
+def test_the_lp_is_limited_by_its_work_not_the_clock():
+    # explain()'s LP gave up after a second of wall time: on a loaded machine it fell back to
+    # the parts bound, and explain()'s text depended on how busy the machine was. A limit of
+    # simplex iterations gives one answer: the LP's, or the parts bound where the work runs out
+    c = _many_small_chains(1.0)
+    full = lower_bound(c, ONE_GPU)
+    assert full.method == "lp"
+    assert lower_bound(c, ONE_GPU, lp_iterations=1).method == "parts"
+    limited = lower_bound(c, ONE_GPU, lp_iterations=100_000)
+    assert (limited.method, limited.seconds) == (full.method, full.seconds)

@@ -2,21 +2,30 @@
 
 A worker's spill buffer weighs values by their host bytes only and never evicts a device value
 to disk for the host's sake (:func:`install_device_accounting`); :func:`device_nbytes` tells the
-device bytes a value holds.
+device bytes a value holds. Host memory eugo holds for no value (the free blocks of the pinned
+result pool, :data:`HOST_CACHES`) is given back before a value is spilled.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from eugo_dask.devices.base import _walk
+from eugo_dask.devices.stats import _stats
 
 #: Types whose instances hold device memory without ``__cuda_array_interface__`` (the
 #: emulated device registers its array type).
 DEVICE_ARRAY_TYPES: set[type] = set()
+
+#: Holders of host memory that no stored value owns, each with ``clear() -> int`` (the bytes it
+#: gave back): the CuPy device's pinned result pool adds itself. A value copied back into a
+#: pinned block weighs its bytes like any host array (``sizeof``); once it is spilled its
+#: block is free but still held, so process memory does not fall until the pool gives it back.
+HOST_CACHES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 _NO_KEY = object()
 
@@ -106,10 +115,25 @@ def _host_only_evict(fast: Any, evict: Callable[..., Any]) -> Callable[..., Any]
     return host_only_evict
 
 
+def release_host_caches() -> int:
+    """Give back the host memory of :data:`HOST_CACHES` (counted in ``pinned_released_bytes``);
+    the bytes given back."""
+    released = sum(int(cache.clear()) for cache in list(HOST_CACHES))
+    if released:
+        _stats.add(pinned_released_bytes=released)
+    return released
+
+
 def _evict_or_fail(evict: Callable[[], int]) -> Callable[[], int]:
-    """A spill buffer's ``evict()`` returning -1 (distributed: "could not evict", which ends the
-    memory monitor's loop) where only device values are in memory."""
+    """A spill buffer's ``evict()`` (called by distributed's memory monitor while process memory
+    is past the spill threshold, once per value, until it falls below target) that first gives
+    back host memory no value holds (:func:`release_host_caches`: the free blocks of values
+    spilled before), and returns -1 (distributed: "could not evict", which ends the loop) where
+    only device values are in memory."""
     def evict_or_fail() -> int:
+        released = release_host_caches()
+        if released:
+            return released
         try:
             return evict()
         except _OnlyDeviceValues:

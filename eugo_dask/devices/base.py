@@ -75,9 +75,14 @@ class DeviceSettings:
         Threads that split one host memcpy into or out of a staging buffer, each given at least
         ``copy_piece_bytes`` (:class:`~eugo_dask.devices.copies.HostCopier`); 1: the task's
         thread alone.
-    pinned_results_bytes
-        Pinned host memory held for results copied back (the device copies straight into it:
-        :class:`~eugo_dask.devices.copies.ResultPool`); 0: results are staged into new arrays.
+    pinned_results_bytes, pinned_results_min_bytes
+        The cap on pinned host memory held for results copied back (the device copies straight
+        into it: :class:`~eugo_dask.devices.copies.ResultPool`), and the least bytes a result
+        needs to get a block (smaller ones are staged into new arrays); 0 bytes: every result
+        is staged.
+    register_min_bytes
+        Contiguous host chunks at least this large are page-locked in place
+        (``cudaHostRegister``) and copied to the device in one DMA; None: never (staged).
     gpus
         Which CUDA devices a process drives: ``"one"`` (its current device, the first it
         sees) or ``"all"`` it sees; always one under dask-cuda or RMM
@@ -91,7 +96,9 @@ class DeviceSettings:
     staging_bytes: int = 8 * _MiB
     copy_threads: int = 4
     copy_piece_bytes: int = 1 * _MiB
-    pinned_results_bytes: int = 0
+    pinned_results_bytes: int = 1024 * _MiB
+    pinned_results_min_bytes: int = 64 * _MiB
+    register_min_bytes: int | None = None
     gpus: str = "one"
 
 

@@ -4,9 +4,11 @@ for. This is the only module of eugo-dask that imports CuPy.
 - **copies**: through two pinned staging buffers per worker thread (:class:`_Staging`), reused,
   in chunks (``staging_bytes``), with the copy of one chunk overlapping the host memcpy of the
   next, asynchronous on the task's stream inside a task scope and synchronised outside one.
-  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back
-  lands, where ``pinned_results_bytes`` allows, in a pinned block the device copies straight
-  into (:mod:`eugo_dask.devices.copies`).
+  Each chunk's host memcpy is split over ``copy_threads`` threads, and a result copied back of
+  ``pinned_results_min_bytes`` or more lands, where the pool's cap allows, in a pinned block
+  the device copies straight into (:mod:`eugo_dask.devices.copies`); such a block going back
+  to the device is one DMA. With ``register_min_bytes`` set, a large contiguous chunk is
+  page-locked in place (``cudaHostRegister``) for one DMA and unregistered once it has run.
   Calibration measures this path (:mod:`eugo_dask.measure`), so the profile prices the copies
   that run. Outside a task a copy runs on this thread's own stream, made current for it, so
   what it queues first (a strided view made contiguous) is ordered ahead of it.
@@ -32,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from eugo_dask.devices.accounting import HOST_CACHES
 from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings, _MiB
 from eugo_dask.devices.copies import HostCopier, ResultPool
 from eugo_dask.devices.errors import (
@@ -101,7 +104,9 @@ class CupyDevice(Device):
         # never more copy threads than the machine has cores
         self._copier = HostCopier(min(settings.copy_threads, os.cpu_count() or 1),
                                   settings.copy_piece_bytes)
-        self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes, min_bytes=1)
+        self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes,
+                                   min_bytes=settings.pinned_results_min_bytes)
+        HOST_CACHES.add(self._results)  # its free blocks go back first when distributed spills
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
     @property
@@ -254,18 +259,28 @@ class CupyDevice(Device):
     # -- copies -------------------------------------------------------------------------------
     def _to_device(self, array: np.ndarray, ordinal: int, in_task: bool) -> Any:
         cupy = self.cupy
-        if not (array.flags.c_contiguous or array.flags.f_contiguous):
+        contiguous = array.flags.c_contiguous or array.flags.f_contiguous
+        if not contiguous:
             array = np.ascontiguousarray(array)
         order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
         with self._copy_stream(ordinal, in_task) as stream:
             out = cupy.empty(array.shape, dtype=array.dtype, order=order)
-            self._h2d(_host_bytes(array), out.data, stream)
+            self._h2d(_host_bytes(array), out.data, stream, register=contiguous)
         return out
 
-    def _h2d(self, src: np.ndarray, dst: Any, stream: Any) -> None:
+    def _h2d(self, src: np.ndarray, dst: Any, stream: Any, *, register: bool = True) -> None:
+        """``src`` to device memory ``dst``: straight where small, one DMA where it is pinned
+        (a result pool block) or, where ``register`` and it is large enough, page-locked in
+        place; else through the staging buffers (a strided chunk made contiguous is one: its
+        new pages are touched once by the gather, staged from there)."""
         nbytes, chunk = src.size, self.settings.staging_bytes
         if nbytes <= self.direct_copy_bytes or chunk <= 0:
             dst.copy_from_host_async(src.ctypes.data, nbytes, stream)
+            return
+        if self._results.owns(src):  # a pinned result going back: one DMA, no staging
+            self._pinned_dma(src, dst, stream)
+            return
+        if register and self._register_pays(nbytes) and self._h2d_registered(src, dst, stream):
             return
         staging = self._staging()
         for i, offset in enumerate(range(0, nbytes, chunk)):
@@ -274,6 +289,44 @@ class CupyDevice(Device):
             self._copier.copy(staging.views[slot][:size], src[offset:offset + size])
             (dst + offset).copy_from_host_async(staging.memory[slot].ptr, size, stream)
             staging.events[slot] = stream.record()
+
+    def _pinned_dma(self, src: np.ndarray, dst: Any, stream: Any) -> None:
+        """One DMA from pinned host memory, waited for: the source may be gone (its pages
+        unregistered, its pool block serving another result) once this returns. The wait is
+        on an event after the copy, on the copy's stream (in a task, the task's: behind what the
+        task queued before it)."""
+        dst.copy_from_host_async(src.ctypes.data, src.size, stream)
+        stream.synchronize()
+
+    def _register_pays(self, nbytes: int) -> bool:
+        """Whether a contiguous host chunk of ``nbytes`` is page-locked in place
+        (``eugo.register-in-place``)."""
+        least = self.settings.register_min_bytes
+        return least is not None and nbytes >= least
+
+    def _h2d_registered(self, src: np.ndarray, dst: Any, stream: Any) -> bool:
+        """``src`` page-locked in place (``cudaHostRegister``), one DMA, unregistered once the
+        copy has finished; False, with nothing copied, where CUDA refuses to register it
+        (pages registered already, by another copy of the same chunk or a neighbouring
+        view; read-only or special memory; no pinnable memory left): the caller stages."""
+        runtime = self.cupy.cuda.runtime
+        ptr = int(src.ctypes.data)
+        try:
+            runtime.hostRegister(ptr, src.size, 0)
+        except runtime.CUDARuntimeError as exc:
+            if self._classify(exc) == STICKY:
+                raise
+            _stats.add(h2d_register_refused=1)
+            return False
+        try:
+            self._pinned_dma(src, dst, stream)
+        except BaseException:  # the copy's error is the one to tell, not the unregistering's
+            with contextlib.suppress(Exception):
+                runtime.hostUnregister(ptr)
+            raise
+        runtime.hostUnregister(ptr)
+        _stats.add(h2d_registered=1)
+        return True
 
     def _to_host(self, array: Any) -> np.ndarray:
         cupy = self.cupy
@@ -290,10 +343,12 @@ class CupyDevice(Device):
 
     def _d2h(self, src: Any, dst: np.ndarray, stream: Any) -> None:
         nbytes, chunk = dst.size, self.settings.staging_bytes
-        if nbytes <= self.direct_copy_bytes or chunk <= 0 or self._results.owns(dst):
+        pinned = self._results.owns(dst)
+        if nbytes <= self.direct_copy_bytes or chunk <= 0 or pinned:
             # pageable (small, or no staging) or pinned (a pool block): one DMA
             src.copy_to_host_async(dst.ctypes.data, nbytes, stream)
             stream.synchronize()
+            _stats.add(d2h_pinned=int(pinned))
             return
         staging = self._staging()
         offsets = list(range(0, nbytes, chunk))
@@ -374,6 +429,7 @@ class CupyDevice(Device):
             pinned = self._staging_total
         return {"device": self.name, "disabled": self._disabled, "ordinals": ordinals,
                 "pinned_bytes": pinned, "pinned_result_bytes": self._results.held_bytes(),
+                "pinned_result_free_bytes": self._results.free_bytes(),
                 "pinned_pool_free_blocks": int(cupy.get_default_pinned_memory_pool().n_free_blocks()),
                 "threads": len({thread for thread, _ in caches}),
                 "allocator": "cupy" if pool is not None else "external (RMM or another)"}

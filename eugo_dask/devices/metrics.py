@@ -31,6 +31,9 @@ class DeviceMetricsCollector:
                                       labels=["device", "ordinal"])
         pinned = GaugeMetricFamily("eugo_device_pinned_bytes", "Pinned host staging memory.",
                                    labels=["device"])
+        results = GaugeMetricFamily("eugo_device_pinned_result_bytes",
+                                    "Pinned host memory of the result pool: in results, and free.",
+                                    labels=["device", "kind"])
         off = GaugeMetricFamily("eugo_device_disabled", "1 where the device is off in this process.",
                                 labels=["device", "reason"])
         errors = CounterMetricFamily("eugo_device_errors", "Device errors by kind.", labels=["kind"])
@@ -46,12 +49,16 @@ class DeviceMetricsCollector:
                     plans.add_metric(labels, entry.get("fft_plans", 0))
                     in_flight.add_metric(labels, entry.get("tasks_in_flight", 0))
                 pinned.add_metric([name], stats.get("pinned_bytes", 0))
+                if "pinned_result_bytes" in stats:
+                    free = stats.get("pinned_result_free_bytes", 0)
+                    results.add_metric([name, "in_results"], stats["pinned_result_bytes"] - free)
+                    results.add_metric([name, "free"], free)
                 off.add_metric([name, stats.get("disabled") or ""], 1 if stats.get("disabled") else 0)
             for kind, n in device_stats()["device_errors"].items():
                 errors.add_metric([kind], n)
         except Exception:  # a scrape never raises
             logger.exception("eugo: collecting device metrics failed")
-        yield from (memory, plans, in_flight, pinned, off, errors)
+        yield from (memory, plans, in_flight, pinned, results, off, errors)
 
 
 def _register_metrics() -> None:

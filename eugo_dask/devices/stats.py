@@ -16,7 +16,8 @@ from typing import Any, Protocol
 class _Stats:
     _FIELDS = ("tasks", "h2d_count", "h2d_bytes", "d2h_count", "d2h_bytes", "d2d_count",
                "d2d_bytes", "device_seconds", "launch_seconds", "memory_releases",
-               "released_bytes")
+               "released_bytes", "h2d_registered", "h2d_register_refused", "d2h_pinned",
+               "pinned_released_bytes")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -62,7 +63,11 @@ def device_stats() -> dict[str, Any]:
     dict
         ``tasks`` (tasks that ran on a device), ``h2d_count``/``h2d_bytes``,
         ``d2h_count``/``d2h_bytes`` and ``d2d_count``/``d2d_bytes`` (array copies host->device,
-        device->host and between devices), ``device_seconds`` (synchronised device time of
+        device->host and between devices), ``h2d_registered`` (copies to the device from host
+        chunks page-locked in place) and ``h2d_register_refused`` (registrations CUDA refused:
+        those copies were staged), ``d2h_pinned`` (results copied back straight into pinned
+        blocks of the result pool), ``pinned_released_bytes`` (free pinned result blocks given
+        back to the host while distributed spilled), ``device_seconds`` (synchronised device time of
         task scopes) and ``launch_seconds`` (their host time until the last launch),
         ``fallbacks`` (GPU-planned tasks that ran their CPU path) and ``fallback_reasons``,
         ``device_errors`` (count by kind, :data:`~eugo_dask.devices.errors.ERROR_KINDS`), ``disabled`` (device name ->
