@@ -10,12 +10,13 @@
 # says why it is skipped and the script goes on (a dry run; the distributed step then runs on the
 # emulated device).
 #
-# OUTDIR gets at most 5 files (the device tool brings back 8):
+# OUTDIR gets at most 6 files (the device tool brings back 8):
 #   gpu-check.log   every step's output, appended as it runs
 #   results.jsonl   one JSON record per step (status, seconds, figures)
 #   summary.txt     one line per step: name, status, seconds, limit
 #   calibrated.yaml the quick calibration's profile (what the seed table prices with)
 #   seed_table.png  the seed's six workloads, plotted
+#   dual-cupy.json  run-time dispatch on the device (scripts/dual_check.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-check-out}}
@@ -83,6 +84,8 @@ profile=h200
 [ -s "$out/calibrated.yaml" ] && profile="$(realpath "$out/calibrated.yaml")"
 step seed-table 80 bash -c 'cd benchmarks && python3 seed_table.py --medium --profile "$1" --plot "$2"' \
   _ "$profile" "$(realpath "$out")/seed_table.png"
+# last: run-time dispatch (eugo.dispatch: dual) on the device; writes dual-cupy.json
+step dual 60 env OUT="$(realpath "$out")" python3 scripts/dual_check.py cupy
 
 echo "total $((SECONDS - started))s of a ${budget}s budget" | tee -a "$summary" >&2
 ls -l "$out" >&2

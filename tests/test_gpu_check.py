@@ -18,11 +18,11 @@ def test_steps_fit_one_device_command_with_room_for_a_rerun():
     budget = int(re.search(r"budget=\$\{GPU_CHECK_BUDGET:-(\d+)\}", SCRIPT).group(1))
     limits = {name: int(limit) for name, limit in re.findall(r"^step ([\w-]+) (\d+) ", SCRIPT, re.M)}
     assert {"install", "env", "copies", "engine", "timing", "waits", "pytest-gpu", "memory",
-            "threads", "throughput", "distributed", "calibrate", "seed-table"} == set(limits)
+            "threads", "throughput", "distributed", "calibrate", "seed-table", "dual"} == set(limits)
     assert budget <= 450 < 600  # the steps stop at the budget, whatever their own limits
     assert all(limit <= 150 for limit in limits.values())
     # at most 8 files come back from the device tool
-    assert len(set(re.findall(r'"\$out/([\w.-]+)"', SCRIPT)) | {"seed_table.png"}) <= 8
+    assert len(set(re.findall(r'"\$out/([\w.-]+)"', SCRIPT)) | {"seed_table.png", "dual-cupy.json"}) <= 8
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu-check.sh")], check=True)
 
 
