@@ -361,6 +361,7 @@ def test_calibration_measures_the_runtime_paths(cupy):
     assert gpu["memory_bytes"] == cupy.cuda.runtime.getDeviceProperties(0)["totalGlobalMem"]
     assert gpu["call_overhead_s"] > 1e-7 and gpu["first_use_s"] > gpu["call_overhead_s"]
     assert link["h2d_bytes_per_s"] <= 1.2 * link["pinned_h2d_bytes_per_s"]
-    assert "staged copies" in link["name"]
+    # the link's name says which copy path its rates were measured on (staged, pinned results)
+    assert "eugo's copies: " in link["name"] and "pinned staging buffers" in link["name"]
     assert any(m.startswith("link:") for m in messages)
     assert load_profile(profile).gpu.measured
