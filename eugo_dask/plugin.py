@@ -505,7 +505,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             kind: UsageKind = ("copies" if role in (TODEVICE_ROLE, TOHOST_ROLE) else
                                "gpu" if role == GPU_ROLE and ws is not None
                                and ws.resources.get(self.resource) else "cpu")
-            usage.ran(kind, startstops)
+            usage.ran(kind, startstops, worker)
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
         stats = self._prefix(ts.prefix.name)
         estimate = self._estimates.pop(key, None)
