@@ -12,11 +12,13 @@ own). What it does with the annotations the rewrite puts on every task
 
 - device work and transfers ask for the worker resource (``eugo.resource``, ``GPU``), so they run
   on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four),
-  beside the resources the user asked of them: the plugin adds it here to what the scheduler
-  applied (the pass leaves it to the plugin, since its per-key annotation would replace the
-  resources given to ``client.compute``). The pass leaves a graph on the CPU where no worker
-  advertises the resource it would ask for; when the last GPU worker leaves mid-computation, its
-  pending GPU tasks are re-routed to run their CPU path on the workers there are;
+  beside the resources the user asked of them (copies ask for none of the slot, and are
+  restricted to the GPU workers, which a worker advertising the resource at 0 is not): the
+  plugin adds it here to what the scheduler applied (the pass leaves it to the plugin, since
+  its per-key annotation would replace the resources given to ``client.compute``). The pass
+  leaves a graph on the CPU where no worker advertises the resource it would ask for; when the
+  last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their CPU
+  path on the workers there are;
 - aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist, unless the
   user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
   Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them.
@@ -163,6 +165,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.gpu_keys: set = set()  # device work and transfers not finished yet
         self.host_keys: set = set()  # aggregation / finalize not finished yet
         self.host_restricted: set = set()  # those of them the plugin restricted to CPU workers
+        self.copy_restricted: set = set()  # copies the plugin restricted to the GPU workers
         self.cpu_keys: set = set()  # other planned tasks the plan kept on the CPU
         self.errors = 0
         self.warnings: deque[str] = deque(maxlen=MAX_WARNINGS)
@@ -264,6 +267,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 wanted = self._asking_for_device(ts, kind, asked)
                 if self._device_fits(scheduler, ts, wanted, fits):
                     ts.resource_restrictions = wanted
+                    if kind in COPY_ROLES:
+                        self._keep_on_gpu_workers(ts)
                 else:  # (or the GPU workers left between planning and now)
                     self._run_on_cpu(ts)
                     rerouted.append(ts)
@@ -301,6 +306,19 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if wanted is None:
             wanted = asked[request] = device_request(role, self.resource, user)
         return wanted
+
+    def _keep_on_gpu_workers(self, ts: TaskState) -> None:
+        """Restrict copy ``ts`` to the GPU workers, where the user named no workers or hosts.
+
+        A copy asks for none of the GPU slot (``{resource: 0}``), and a worker that advertises
+        the resource at 0 (``--resources GPU=0``, a CPU worker to eugo) meets that too: a copy
+        sent there passes its chunk through (no device), and every kernel that reads the chunk
+        copies it again (a matmul's copies to the device 15x the plan's). Kept current as GPU
+        workers come and go (:meth:`_worker_joined`, :meth:`_worker_left`)."""
+        if ts.worker_restrictions or ts.host_restrictions or not self._gpu_addresses:
+            return
+        ts.worker_restrictions = set(self._gpu_addresses)
+        self.copy_restricted.add(ts.key)
 
     def _device_fits(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any],
                      fits: dict[Any, bool]) -> bool:
@@ -353,14 +371,17 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         return count
 
     def _run_on_cpu(self, ts: TaskState) -> None:
-        """Re-route a GPU task: no request for the GPU resource (the user's restrictions stay
-        as they are), and a run spec that runs the CPU path wherever it lands, so no device
-        array is made even if a GPU worker joins later and picks it up (its consumers may be on
-        CPU workers)."""
+        """Re-route a GPU task: no request for the GPU resource and, for a copy, none of the GPU
+        workers the plugin kept it to (the user's restrictions stay as they are), and a run
+        spec that runs the CPU path wherever it lands, so no device array is made even if a GPU
+        worker joins later and picks it up (its consumers may be on CPU workers)."""
         if ts.resource_restrictions:
             ts.resource_restrictions = {
                 r: n for r, n in ts.resource_restrictions.items() if r != self.resource
             } or None
+        if ts.key in self.copy_restricted:
+            self.copy_restricted.discard(ts.key)
+            ts.worker_restrictions = None
         ts.run_spec = cpu_path_task(ts.run_spec)
 
     def _say_rerouted(self, scheduler: Scheduler, rerouted: list[TaskState], what: str,
@@ -401,11 +422,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.dual.worker_joined(ws)
         if ws.resources.get(self.resource):
             self._gpu_addresses.add(worker)
-            return
-        for key in self.host_restricted:
-            ts = scheduler.tasks.get(key)
-            if ts is not None and ts.state in _PENDING and ts.worker_restrictions is not None:
-                ts.worker_restrictions.add(worker)
+            _allow_worker(scheduler, self.copy_restricted, worker)
+        else:
+            _allow_worker(scheduler, self.host_restricted, worker)
 
     def remove_worker(self, scheduler: Scheduler, worker: str, *, stimulus_id: str = "",
                       **kwargs: Any) -> None:
@@ -415,12 +434,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.dual.worker_left(scheduler, worker, stimulus_id)
         self.workers_without_device.pop(worker, None)
         self.invalid_settings.pop(worker, None)
-        for key in self.host_restricted:
-            ts = scheduler.tasks.get(key)
-            if ts is not None and ts.worker_restrictions:
-                ts.worker_restrictions.discard(worker)
-                if not ts.worker_restrictions:
-                    ts.worker_restrictions = None
+        _disallow_worker(scheduler, self.host_restricted, worker)
+        _disallow_worker(scheduler, self.copy_restricted, worker)
         if worker not in self._gpu_addresses:  # (GPU tasks' fits are the GPU workers')
             return
         self._gpu_addresses.discard(worker)
@@ -461,6 +476,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             self.gpu_keys.discard(key)
             self.host_keys.discard(key)
             self.host_restricted.discard(key)
+            self.copy_restricted.discard(key)
             self.cpu_keys.discard(key)
             self._estimates.pop(key, None)
             self.dual.forget(key)
@@ -514,7 +530,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                                "gpu" if (role == GPU_ROLE or (sent and sent[0] == GPU_UNIT))
                                and ws is not None and ws.resources.get(self.resource)
                                else "cpu")
-            usage.ran(kind, startstops)
+            usage.ran(kind, startstops, worker)
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
         stats = self._prefix(ts.prefix.name)
         estimate = self._estimates.pop(key, None)
@@ -830,6 +846,26 @@ def _restricted(ts: TaskState) -> bool:
     loose restrictions do not go with resource restrictions: a worker without the resource would
     be sent the task)."""
     return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
+
+
+def _allow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
+    """Add ``worker``, which joined, to the restrictions the plugin gave the pending tasks
+    ``keys`` (host tasks to CPU workers, copies to GPU workers)."""
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None and ts.state in _PENDING and ts.worker_restrictions is not None:
+            ts.worker_restrictions.add(worker)
+
+
+def _disallow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
+    """Take ``worker``, which left, out of the restrictions the plugin gave the tasks ``keys``;
+    a task restricted to no worker left is restricted no more."""
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        if ts is not None and ts.worker_restrictions:
+            ts.worker_restrictions.discard(worker)
+            if not ts.worker_restrictions:
+                ts.worker_restrictions = None
 
 
 def _is_root(ts: TaskState) -> bool:

@@ -6,6 +6,7 @@ machine (:func:`~eugo_dask.schedule.area_split`). The scheduler plugin keeps one
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,7 +23,12 @@ class GraphUsage:
     """One graph as it ran: the machine it had when it was placed (``cpu_threads``: every
     worker thread but those the GPU slots take; ``gpu_slots``), the eugo tasks placed, and
     from each one's compute start and stop, as workers report them, the makespan and the
-    seconds each kind of work kept its units busy. ``work`` is its plan's (None: unknown)."""
+    seconds each kind of work kept its units busy. ``work`` is its plan's (None: unknown).
+
+    Copies ask for none of the GPU slot, so a GPU worker runs several at once beside a kernel:
+    their busy seconds are the time each GPU worker had a copy in flight (the union of their
+    intervals, ``copy_spans``), not the sum of their durations, which made a link more than
+    100% busy."""
 
     plan: str | None
     tasks: int
@@ -34,15 +40,36 @@ class GraphUsage:
     done: int = 0
     busy: dict[UsageKind, float] = field(
         default_factory=lambda: {"cpu": 0.0, "gpu": 0.0, "copies": 0.0})
+    #: per GPU worker, the disjoint intervals (start, stop), sorted, in which a copy ran
+    copy_spans: dict[str | None, list[tuple[float, float]]] = field(default_factory=dict)
 
-    def ran(self, kind: UsageKind, startstops: Any) -> None:
-        """A task of the graph finished: its compute intervals count as ``kind``."""
+    def ran(self, kind: UsageKind, startstops: Any, worker: str | None = None) -> None:
+        """A task of the graph finished on ``worker``: its compute intervals count as
+        ``kind``."""
         self.done += 1
         for part in startstops:
             if part.get("action") == "compute":
                 start, stop = float(part["start"]), float(part["stop"])
                 self.started, self.stopped = min(self.started, start), max(self.stopped, stop)
-                self.busy[kind] += max(stop - start, 0.0)
+                if kind == "copies":
+                    self._copy_ran(worker, start, stop)
+                else:
+                    self.busy[kind] += max(stop - start, 0.0)
+
+    def _copy_ran(self, worker: str | None, start: float, stop: float) -> None:
+        """Merge a copy's interval into ``worker``'s copy spans; the copies' busy seconds grow
+        by the time it adds to them."""
+        spans = self.copy_spans.setdefault(worker, [])
+        first = bisect.bisect_left(spans, (start,))  # the first span starting at or after it
+        if first and spans[first - 1][1] >= start:
+            first -= 1
+        last, covered = first, 0.0
+        while last < len(spans) and spans[last][0] <= stop:
+            start, stop = min(start, spans[last][0]), max(stop, spans[last][1])
+            covered += spans[last][1] - spans[last][0]
+            last += 1
+        spans[first:last] = [(start, max(stop, start))]
+        self.busy["copies"] += max(stop - start, 0.0) - covered
 
     @property
     def makespan_s(self) -> float:

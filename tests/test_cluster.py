@@ -583,10 +583,12 @@ def test_every_task_keeps_the_users_restrictions(tmp_path):
                 for prefix, resources, worker_restrictions, hosts, loose, ran_on in seen:
                     # every task as the user said, eugo's device tasks on the GPU worker besides:
                     # kernels hold its slot, copies ask for none of it (they overlap kernels)
-                    mine = ({"GPU": 0} if prefix.startswith(("eugo-todevice", "eugo-tohost"))
-                            else {"GPU": 1} if is_device_task(prefix) else {})
+                    # and, where the user named no workers, are kept to the GPU workers
+                    copy = prefix.startswith(("eugo-todevice", "eugo-tohost"))
+                    mine = {"GPU": 0} if copy else {"GPU": 1} if is_device_task(prefix) else {}
                     assert resources == {**user["resources"], **mine}, (mode, prefix, resources)
-                    assert worker_restrictions == user["workers"], (mode, prefix)
+                    assert worker_restrictions == (user["workers"] or ([gpu] if copy else [])), (
+                        mode, prefix)
                     assert not hosts and not loose, (mode, prefix)
                     assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
             for kind in ("eugo-todevice", "eugo-tohost", "eugo-gpu"):  # each kind was checked

@@ -8,6 +8,7 @@ import logging
 import time
 
 import dask
+import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
@@ -19,6 +20,7 @@ from eugo_dask.testing import device_tasks
 
 from .cluster import (
     HETEROGENEOUS,
+    POISON,
     SETTINGS,
     placements,
     plugin_summary,
@@ -70,6 +72,28 @@ def test_heterogeneous_cluster_places_by_role(tmp_path):
         assert summary["bytes_h2d"] == stats["gpu"]["h2d_bytes"] >= A.nbytes + B.nbytes
         assert summary["bytes_d2h"] == stats["gpu"]["d2h_bytes"] > 0
         assert summary["estimated_saved_s"] != 0 and summary["errors"] == 0
+
+
+def test_copies_stay_off_a_worker_advertising_the_resource_at_zero(tmp_path):
+    # a copy asks for none of the GPU slot ({GPU: 0}), which a CPU worker started with
+    # --resources GPU=0 meets too: there it passed its chunk through (no device), and every
+    # kernel reading the chunk copied it again (on the old code 62 of the 64 copies to the device
+    # ran there and the GPU worker made 994 copies where the plan said 64)
+    workers = {"gpu": {"gpu": True},
+               "zero": {"nthreads": 2, "extra": ["--resources", "GPU=0", "--preload", POISON]}}
+    x = da.random.default_rng(0).random((2000, 2000), chunks=250)
+    y = (np.exp(np.sin(x)) @ x.T).sum(axis=0)
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            result = client.compute(y).result(timeout=120)
+        assert_eq(result, y.compute(scheduler="sync"))
+        runs = placements(client)
+        copies = [(role, w) for _, role, w in runs if role in ("todevice", "tohost")]
+        assert {"todevice", "tohost"} <= {role for role, _ in copies}
+        assert {w for _, w in copies} == {"gpu"}, sorted(set(copies))
+        stats = worker_stats(client)
+        assert stats["gpu"]["h2d_count"] == sum(role == "todevice" for role, _ in copies)
+        assert stats["zero"]["tasks"] == stats["zero"]["h2d_count"] == 0
 
 
 def test_no_gpu_worker_runs_cpu_path_with_one_warning(tmp_path):
@@ -201,8 +225,9 @@ def test_each_graph_s_machine_use_is_measured_beside_its_plans_work_bound():
     assert usage["done"] == usage["tasks"] > 0
     assert usage["busy_s"]["gpu"] > 0 and usage["busy_s"]["copies"] > 0
     assert usage["makespan_s"] >= max(usage["busy_s"].values()) / 4  # 4 threads at most
-    # a GPU slot runs one device task or copy at a time: together at most all of the slots
-    assert usage["busy"]["gpu"] + usage["busy"]["copies"] <= 1.0 + 1e-9
+    # a GPU slot runs one device task at a time; copies run beside the kernels, and count
+    # while a GPU worker has one in flight: neither more than all of its units
+    assert usage["busy"]["gpu"] <= 1.0 + 1e-9 and usage["busy"]["copies"] <= 1.0 + 1e-9
     assert usage["bound_s"] is not None and usage["bound_s"] > 0
     use = MachineUse()
     use.update({"usage": [usage]}, [])
