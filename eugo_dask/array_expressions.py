@@ -133,12 +133,26 @@ def _optimize_then_plan(original: Any) -> Any:
     return optimize
 
 
+#: The config key of the expression passes ``docs/upstream/`` proposes to Dask.
+EXPRESSION_PASSES = "optimization.expression-passes"
+
+
+def _upstream_hook() -> bool:
+    """Whether this Dask runs the passes listed under :data:`EXPRESSION_PASSES`."""
+    return dask.config.get(EXPRESSION_PASSES, None) is not None
+
+
 def install_expression_hook() -> bool:
-    """Wrap ``Expr.optimize`` (once) where dask.array runs in expression mode on a tested Dask;
-    warn, once per process, where it runs in expression mode on another. Returns whether the
-    hook is in place."""
+    """Where dask.array runs in expression mode: list :func:`planned` among Dask's expression
+    passes where Dask has them (``docs/upstream/``), else wrap ``Expr.optimize`` (once) on a
+    tested Dask; on another, warn (once per process). Returns whether the hook is in place."""
     if not array_expressions_enabled():
         return False
+    if _upstream_hook():
+        passes = list(dask.config.get(EXPRESSION_PASSES) or [])
+        if planned not in passes:
+            dask.config.set({EXPRESSION_PASSES: [*passes, planned]})  # (for the process)
+        return True
     if not dask_is_tested():
         warnings.warn(_UNTESTED_DASK.format(version=dask.__version__,
                                             tested=", ".join(TESTED_DASK)),
@@ -150,7 +164,9 @@ def install_expression_hook() -> bool:
 
 
 def hook_installed() -> bool:
-    """Whether :func:`install_expression_hook` wrapped ``Expr.optimize`` in this process."""
+    """Whether :func:`install_expression_hook` put eugo's hook in place in this process."""
+    if _upstream_hook():
+        return planned in (dask.config.get(EXPRESSION_PASSES) or [])
     return hasattr(Expr.optimize, "_eugo_original")
 
 
