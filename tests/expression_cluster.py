@@ -18,8 +18,6 @@ import dask
 import dask.array as da
 import numpy as np
 
-import eugo_dask
-
 from .cluster import SETTINGS, placements, process_cluster, worker_stats
 from .pipelines import PIPELINE_A, LazyArray
 
@@ -42,7 +40,7 @@ def _run(client: Any, separate_workers: bool) -> dict[str, Any]:
     stats = worker_stats(client)
     gpu_name = next(name for name in stats if "gpu" in str(name))
     return {
-        "expressions": eugo_dask.array_expressions.array_expressions_enabled(),
+        "expressions": da.array_expr_enabled(),
         "same result": bool(np.allclose(computed, EXPECTED) and np.allclose(kept, EXPECTED)),
         "result type": type(computed).__name__,
         "roles planned": roles,
