@@ -39,7 +39,9 @@ from eugo_dask.graph import ChunkInfo, Key
 #: The Dask releases (``major.minor``) whose expression machinery the hook was tested with: it
 #: relies on ``Expr.optimize`` being what every compute and persist calls last on the client,
 #: and on the expression being materialized by its ``__dask_graph__``/``__dask_annotations__``.
-TESTED_DASK = ("2026.8",)
+#: (2026.7: the images' Dask, pinned by dask-cuda; its dask/_expr.py, dask/base.py,
+#: dask/array/_array_expr and distributed/client.py are 2026.8's.)
+TESTED_DASK = ("2026.7", "2026.8")
 
 
 def array_expressions_enabled() -> bool:
