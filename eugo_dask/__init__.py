@@ -7,12 +7,14 @@
 ...     result = (a @ a.T).sum().compute()
 
 Importing this package registers the ``eugo.*`` config defaults and the bridge that runs the
-``optimizations`` config list (see :mod:`eugo_dask.array_optimize`); with that list empty no graph
-changes. CuPy is imported only when a CuPy device is asked for.
+``optimizations`` config list (see :mod:`eugo_dask.array_optimize`; in array-expression mode,
+:mod:`eugo_dask.array_expressions`); with that list empty no graph changes. CuPy is imported
+only when a CuPy device is asked for.
 """
 
 from eugo_dask._version import __version__
-from eugo_dask.array_optimize import bridge, install_bridge, warn_if_array_expressions
+from eugo_dask.array_expressions import install_expression_hook
+from eugo_dask.array_optimize import bridge, install_bridge
 from eugo_dask.config import Settings, load_profile, read_settings, register_defaults
 from eugo_dask.devices import device_stats, reset_device_stats
 from eugo_dask.devices.emulated import EmulatedDeviceArray, EmulatedOutOfMemoryError
@@ -23,7 +25,7 @@ from eugo_dask.ran import PrefixRan, RanReport, what_ran
 
 register_defaults()
 install_bridge()
-warn_if_array_expressions()
+install_expression_hook()
 
 
 __all__ = [

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextvars
 import json
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -98,7 +97,8 @@ def _resolved(mapping: Mapping[Key, Any], key: Key) -> Any:
     return node
 
 
-def _is_eugo_pass(opt: Callable[..., Any]) -> bool:
+def is_eugo_pass(opt: Callable[..., Any]) -> bool:
+    """Whether ``opt`` is eugo's pass (it is handed chunk shapes)."""
     return getattr(opt, "_eugo_pass", False)
 
 
@@ -107,7 +107,7 @@ def run_optimizations(
     **kwargs: Any,
 ) -> Any:
     """Dask's array optimization, then each of ``passes`` in order."""
-    chunk_info = ChunkInfo.from_graph(dsk) if any(map(_is_eugo_pass, passes)) else None
+    chunk_info = ChunkInfo.from_graph(dsk) if any(map(is_eugo_pass, passes)) else None
     if chunk_info is not None and may_be_ours(materialized_layers(dsk)):
         # optimized with eugo before (dask.optimize, then compute): Dask's linear fusion would
         # glue eugo's copies to the reads and host tasks beside them; blockwise fusion of the
@@ -115,16 +115,26 @@ def run_optimizations(
         dsk = optimize_without_linear_fusion(dsk, keys)
     else:
         dsk = dask_array_optimize(dsk, keys, **kwargs)
+    return run_passes(dsk, keys, passes, submission, chunk_info)
+
+
+def run_passes(
+    dsk: Any, keys: Any, passes: tuple[Callable[..., Any], ...], submission: Submission | None,
+    chunk_info: ChunkInfo | None,
+) -> Any:
+    """Each of ``passes`` in order over ``dsk`` (optimized already), with what the client froze
+    (``submission``) in force; eugo's pass is handed ``chunk_info``."""
     token = _submitted.set(submission)
     try:
         for opt in passes:
-            dsk = opt(dsk, keys, chunk_info=chunk_info) if _is_eugo_pass(opt) else opt(dsk, keys)
+            dsk = opt(dsk, keys, chunk_info=chunk_info) if is_eugo_pass(opt) else opt(dsk, keys)
     finally:
         _submitted.reset(token)
     return dsk
 
 
-def _configured_passes() -> tuple[Callable[..., Any], ...]:
+def configured_passes() -> tuple[Callable[..., Any], ...]:
+    """The ``optimizations`` config list in force, checked."""
     passes = dask.config.get("optimizations", None) or ()
     if callable(passes):
         passes = (passes,)
@@ -146,24 +156,29 @@ class OptimizationsBridge:
     """
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        passes = _configured_passes()
+        passes = configured_passes()
         return run_optimizations(dsk, keys, passes, None, **kwargs)
+
+    def run_passes(self, dsk: Any, keys: Any, chunk_info: ChunkInfo) -> Any:
+        """The ``optimizations`` list over a graph Dask optimized already (an array
+        expression's: :mod:`eugo_dask.array_expressions`)."""
+        return run_passes(dsk, keys, configured_passes(), None, chunk_info)
 
     def __bool__(self) -> bool:
         # Dask asks whether the configured optimizer is set (``GlobalMethod.__get__``) when a
         # collection is turned into a graph on the client, before anything is submitted:
         # the one moment a bad setting can be reported as itself, naming its key, rather than
         # from inside the serialization of the graph.
-        passes = _configured_passes()
-        if any(map(_is_eugo_pass, passes)):
+        passes = configured_passes()
+        if any(map(is_eugo_pass, passes)):
             read_settings()
         return True
 
     def __reduce__(self) -> tuple[Any, ...]:
-        passes = _configured_passes()
+        passes = configured_passes()
         # validated now (errors reach the user), resolved where the plan is made: "auto"
         # means the cluster's devices, not this client's
-        settings = read_settings() if any(map(_is_eugo_pass, passes)) else None
+        settings = read_settings() if any(map(is_eugo_pass, passes)) else None
         return (SubmittedOptimizations, (passes, settings, dict(dask.get_annotations())))
 
     def __copy__(self) -> OptimizationsBridge:
@@ -193,8 +208,14 @@ class SubmittedOptimizations:
         self.annotations = annotations or {}
 
     def __call__(self, dsk: Any, keys: Any, **kwargs: Any) -> Any:
-        submission = Submission(self.settings, self.annotations) if self.settings else None
-        return run_optimizations(dsk, keys, self.passes, submission, **kwargs)
+        return run_optimizations(dsk, keys, self.passes, self._submission(), **kwargs)
+
+    def run_passes(self, dsk: Any, keys: Any, chunk_info: ChunkInfo) -> Any:
+        """The frozen passes over a graph Dask optimized already (an array expression's)."""
+        return run_passes(dsk, keys, self.passes, self._submission(), chunk_info)
+
+    def _submission(self) -> Submission | None:
+        return Submission(self.settings, self.annotations) if self.settings else None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (SubmittedOptimizations, (self.passes, self.settings, self.annotations))
@@ -219,22 +240,3 @@ bridge = OptimizationsBridge()
 def install_bridge() -> None:
     dask.config.update_defaults({"array_optimize": bridge})
 
-
-_ARRAY_EXPRESSIONS_OFF = (
-    "eugo-dask: dask.array runs in array-expression mode (array.query-planning: True), where "
-    "Dask 2026.8 applies no graph optimizer that eugo could hook into: with "
-    "optimizations=[eugo] these graphs run unchanged on the CPU. eugo_dask.explain() still "
-    "shows what eugo would do; set array.query-planning: False (the default) before importing "
-    "dask.array to use it.")
-
-
-def warn_if_array_expressions() -> bool:
-    """Warn, once per process, where dask.array runs in array-expression mode (eugo cannot
-    place those graphs). Returns whether it warned."""
-    import dask.array as da
-
-    enabled = getattr(da, "_array_expr_enabled", lambda: False)
-    if not enabled():
-        return False
-    warnings.warn(_ARRAY_EXPRESSIONS_OFF, RuntimeWarning, stacklevel=3)
-    return True

@@ -11,7 +11,6 @@ runs the same steps up to the placement, for a collection.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import math
@@ -27,6 +26,7 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.typing import NestedKeys
 
 from eugo_dask._version import __version__
+from eugo_dask.array_expressions import expression_graph, hook_installed
 from eugo_dask.array_optimize import current_submission, may_be_ours
 from eugo_dask.config import (
     Settings,
@@ -385,8 +385,10 @@ def explain(*collections: Any, **settings: Any) -> Plan:
 
     Works without a GPU: with ``eugo.device`` ``none`` or ``auto`` on a machine without one, the
     plan shows what would go where under ``eugo.profile`` (the graph itself would run unchanged).
-    So it does for an array expression (``array.query-planning: True``), which eugo cannot
-    rewrite.
+    Array expressions (``array.query-planning: True``) are planned as their optimized
+    expression's graph, which is what eugo rewrites there (:mod:`eugo_dask.array_expressions`);
+    on a Dask outside the versions that hook was tested with, the plan shows what eugo would do
+    with device ``none``.
 
     Parameters
     ----------
@@ -416,16 +418,16 @@ def explain(*collections: Any, **settings: Any) -> Plan:
         if device in ("auto", "cupy"):
             device = current.resolved().device
         current = Settings(**{**current.to_dict(), "device": device})
-    graph, keys = _joint_graph(collections)
     if any(map(_is_array_expression, collections)):
-        # what eugo would do; the graph itself runs unchanged (see module docs)
-        chunks = functools.reduce(ChunkInfo.merge, [
-            ChunkInfo.from_expression(c.expr) if _is_array_expression(c)
-            else ChunkInfo.from_graph(c.__dask_graph__()) for c in collections])
-        current = Settings(**{**current.to_dict(), "device": "none"})
+        # the optimized expression's graph, as Dask left it (it fuses nothing at this level)
+        graph, keys, chunks = expression_graph(collections)
+        optimized = task_spec_dict(graph)
+        if not hook_installed():  # what eugo would do; the graph itself runs unchanged
+            current = Settings(**{**current.to_dict(), "device": "none"})
     else:
+        graph, keys = _joint_graph(collections)
         chunks = ChunkInfo.from_graph(graph)
-    optimized = task_spec_dict(dask_array_optimize(graph, keys))
+        optimized = task_spec_dict(dask_array_optimize(graph, keys))
     described = _split_and_describe(optimized, keys, chunks, current, _profile(current))
     plan = described.place(current)
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))

@@ -439,14 +439,18 @@ def _cpu_path() -> Iterator[None]:
 
 
 
-def _host_to_device(device: Device, ordinal: int | None = None) -> Callable[[Any], Any]:
+def _host_to_device(device: Device, ordinal: int | None = None, *, zero_d: bool = False
+                    ) -> Callable[[Any], Any]:
     """Host arrays to device ``ordinal``; device arrays on another device move there. Inside a
     task scope the copies are asynchronous and timed by the scope's clock (bytes counted here);
-    outside one each copy is complete and metered when it returns."""
+    outside one each copy is complete and metered when it returns. A 0-d array stays on the host
+    (an argument a device function may need as a host value) unless ``zero_d``."""
+    min_ndim = 0 if zero_d else 1
+
     def convert(value: Any) -> Any:
         if (
             type(value) is np.ndarray
-            and value.ndim > 0
+            and value.ndim >= min_ndim
             and device_dtype_ok(value.dtype)
             and not device.is_device_array(value)
         ):
@@ -537,7 +541,9 @@ def to_device(value: Any, device_name: str) -> Any:
     if device is None or _cpu_path_active():
         return value
     try:
-        return map_arrays(value, _host_to_device(device, device.select(value)))
+        # a 0-d array too: a key of its own is a GPU task's operand, which CuPy's ufuncs take
+        # on the device only (array expressions make a scalar operand a 0-d array of its own)
+        return map_arrays(value, _host_to_device(device, device.select(value), zero_d=True))
     except Exception as exc:
         if device.note_error(exc) is None:  # counted in device_stats()["device_errors"]
             raise

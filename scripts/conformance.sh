@@ -17,20 +17,31 @@
 #   scripts/conformance.sh --subset        # CI's representative subset of Dask's, and distributed's
 #   scripts/conformance.sh --dask          # Dask's suite only (with --subset: its subset)
 #   scripts/conformance.sh --distributed   # distributed's tests only
+#   scripts/conformance.sh --expressions   # Dask's suite in array-expression mode (with --subset:
+#                                          # its subset), plain against eugo at min-speedup 0
 #   CONFORMANCE_OUT=dir scripts/conformance.sh   # keep the JSON reports and logs in dir
+#
+# --expressions sets DASK_ARRAY__QUERY_PLANNING=True for every run: Dask reads
+# array.query-planning once, when dask.array is first imported, so it must be in the environment
+# before pytest starts. Its suite adds dask/array/_array_expr/tests; its differences are allowed
+# only where listed in conformance/allowed-differences-expressions.txt.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${CONFORMANCE_OUT:-$(mktemp -d)}
 mkdir -p "$out"
-subset=0 dask=1 distributed=1
+subset=0 dask=1 distributed=1 expressions=0
 for arg in "$@"; do
   case $arg in
     --subset) subset=1 ;;
     --dask) distributed=0 ;;
     --distributed) dask=0 ;;
-    *) echo "usage: $0 [--subset] [--dask | --distributed]" >&2; exit 2 ;;
+    --expressions) expressions=1 distributed=0 ;;
+    *) echo "usage: $0 [--subset] [--dask | --distributed | --expressions]" >&2; exit 2 ;;
   esac
 done
+if [ $expressions = 1 ] && [ $dask = 0 ]; then
+  echo "$0: --expressions runs Dask's suite; it does not go with --distributed" >&2; exit 2
+fi
 modules=(--pyargs dask.array.tests)
 default_modules=(--pyargs dask.array.tests.test_linalg dask.array.tests.test_reductions
                  dask.array.tests.test_routines)
@@ -39,6 +50,10 @@ if [ $subset = 1 ]; then
            dask.array.tests.test_reductions dask.array.tests.test_creation
            dask.array.tests.test_optimization dask.array.tests.test_routines
            dask.array.tests.test_fft dask.array.tests.test_slicing dask.array.tests.test_overlap)
+fi
+if [ $expressions = 1 ]; then
+  export DASK_ARRAY__QUERY_PLANNING=True
+  modules+=(dask.array._array_expr.tests)
 fi
 workers=$(python -c 'import os; print(min(os.cpu_count() or 1, 4))')
 printf '[pytest]\n' > "$out/pytest.ini"   # neutral: none of this project's pytest settings
@@ -81,13 +96,21 @@ status=0
 if [ $dask = 1 ]; then
   test_root=$(python -c 'import os, dask.array.tests as t; print(os.path.dirname(t.__file__))')
   suite=(--rootdir "$test_root" -o xfail_strict=true)   # Dask's pyproject sets xfail_strict
-  allowed="$root/conformance/allowed-differences.txt"
-  run plain off 0 "${modules[@]}"
-  run eugo on 0 "${modules[@]}"
-  run eugo-default on 2 "${default_modules[@]}"
-  compare "min-speedup 0 over ${modules[*]:1}" "$out/plain.json" "$out/eugo.json" || status=1
-  compare "default min-speedup (2) over linalg, reductions, routines" "$out/plain.json" \
-    "$out/eugo-default.json" --only-second || status=1
+  if [ $expressions = 1 ]; then
+    allowed="$root/conformance/allowed-differences-expressions.txt"
+    run plain off 0 "${modules[@]}"
+    run eugo on 0 "${modules[@]}"
+    compare "array expressions, min-speedup 0 over ${modules[*]:1}" "$out/plain.json" \
+      "$out/eugo.json" || status=1
+  else
+    allowed="$root/conformance/allowed-differences.txt"
+    run plain off 0 "${modules[@]}"
+    run eugo on 0 "${modules[@]}"
+    run eugo-default on 2 "${default_modules[@]}"
+    compare "min-speedup 0 over ${modules[*]:1}" "$out/plain.json" "$out/eugo.json" || status=1
+    compare "default min-speedup (2) over linalg, reductions, routines" "$out/plain.json" \
+      "$out/eugo-default.json" --only-second || status=1
+  fi
 fi
 if [ $distributed = 1 ]; then
   test_root="$root/conformance/distributed"

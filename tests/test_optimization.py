@@ -5,9 +5,6 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import os
-import subprocess
-import sys
 import urllib.request
 
 import dask
@@ -120,28 +117,6 @@ def test_a_copy_taken_with_eugo_on_still_turns_off(restorable_config):
                           "eugo.min-speedup": 0}) == 0
     assert dask.config.get("array_optimize") is eugo_dask.bridge
     assert copy.copy(eugo_dask.bridge) is eugo_dask.bridge
-
-
-# ---------------------------------------------------------------------------------------------
-# Array expressions (array.query-planning: True)
-# ---------------------------------------------------------------------------------------------
-def test_array_expressions_say_eugo_is_off_and_explain_still_works():
-    code = (
-        "import warnings, dask, dask.array as da, numpy as np\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import eugo_dask\n"
-        "print([str(w.message)[:60] for w in caught if w.category is RuntimeWarning])\n"
-        "x = da.from_array(np.ones((4000, 4000)), chunks=2000)\n"
-        "plan = eugo_dask.explain(np.exp(np.sin(x)).sum(), min_speedup=0,"
-        " profile={'base': 'h200', 'cpu': 'server-x86'})\n"
-        "print(plan.device, len(plan.gpu_keys))\n"
-    )
-    env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": "True"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.splitlines()
-    assert out[0] == "['eugo-dask: dask.array runs in array-expression mode (array.q']"
-    assert out[1] == "None 4"  # what eugo would do, with the graph run unchanged
 
 
 def _small_matmul():

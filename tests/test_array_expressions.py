@@ -1,0 +1,144 @@
+"""eugo in Dask's array-expression mode (``array.query-planning: True``) against legacy mode.
+
+``array.query-planning`` is read once, when dask.array is first imported: every test here runs
+child processes with ``DASK_ARRAY__QUERY_PLANNING`` set, and compares what each mode did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The equivalence cases Dask 2026.8's array expressions cannot build, and why.
+NOT_EXPRESSIBLE = {
+    **dict.fromkeys(["matmul", "matmul-chain", "outer-matmul"], "Array.__matmul__ raises"),
+    **dict.fromkeys(["dot", "tensordot", "einsum", "where", "nansum", "nanmean", "nanmax"],
+                    "not implemented for dask-expr"),
+    **dict.fromkeys(["std", "var-axis"], "NotImplementedError"),
+    **dict.fromkeys(["argmax", "argmin", "cumsum", "cumprod", "reshape"], "no such method"),
+    **dict.fromkeys(["fft", "fft2", "rfft"], "no da.fft module"),
+    **dict.fromkeys(["fancy-index", "bool-index"], "Shuffle has no _token"),
+}
+
+#: Op families a mode may plan that the other has not, and why: legacy mode's low-level
+#: fusion glues them into the task that reads them (whose family the fused task takes), while
+#: expressions keep one task per operation. The devices of the families both modes plan agree.
+FUSED_AWAY_IN_LEGACY = {
+    "creation": "ones/arange/random chunks: fused into their consumer in legacy mode",
+    "movement": "transpose, slices and stacks fused into their consumer in legacy mode; and "
+                "expressions end a computation of several chunks with a rechunk of their own "
+                "(legacy: one finalize task on the host)",
+    "reduction": "a chunk reduction fused with the elementwise chain before it in legacy mode",
+}
+
+
+def _child(args: list[str], *, expressions: bool, timeout: int = 600) -> Any:
+    env = {**os.environ, "DASK_ARRAY__QUERY_PLANNING": str(expressions),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _json_child(module: str, *args: str, expressions: bool) -> Any:
+    return json.loads(_child(["-m", module, *args], expressions=expressions))
+
+
+@pytest.mark.slow
+def test_equivalence_cases_place_and_compute_as_in_legacy_mode():
+    legacy = _json_child("tests.placements", expressions=False)
+    expr = _json_child("tests.placements", expressions=True)
+    assert (legacy["expressions"], expr["expressions"]) == (False, True)
+    assert legacy["cases"].keys() == expr["cases"].keys()
+    unbuilt = {name for name, case in expr["cases"].items() if "not expressible" in case}
+    assert unbuilt == set(NOT_EXPRESSIBLE)
+    for name, case in expr["cases"].items():
+        if name in unbuilt:
+            continue
+        before = legacy["cases"][name]
+        assert case["same result"] and before["same result"], name
+        assert case["fallbacks"] == 0, name
+        assert case["device ran"] == case["planned on the device"], (name, case)
+        assert case["device ran"] or not before["device ran"], (name, before, case)
+        for op in case["placements"].keys() & before["placements"].keys():
+            assert case["placements"][op] == before["placements"][op], (name, op, before, case)
+        for op in case["placements"].keys() ^ before["placements"].keys():
+            assert op in FUSED_AWAY_IN_LEGACY, (name, op, before, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["local", "process"])
+def test_a_cluster_with_an_emulated_gpu_worker(kind, tmp_path):
+    """On a LocalCluster, and with scheduler and workers in processes of their own started
+    without the client's settings (eugo's device, profile and min-speedup reach the scheduler
+    with the expression, frozen on the client)."""
+    args = [kind] if kind == "local" else [kind, str(tmp_path)]
+    runs = {mode: _json_child("tests.expression_cluster", *args, expressions=mode)
+            for mode in (False, True)}
+    for mode, run in runs.items():
+        assert run["expressions"] is mode
+        assert run["same result"] and run["result type"] == "ndarray", run
+        assert run["fallbacks"] == 0, run
+        gpu_tasks = run["roles planned"]["gpu"]
+        assert gpu_tasks > 0 and run["device tasks on the GPU worker"] == gpu_tasks, run
+        assert run["device tasks elsewhere"] in (None, 0), run
+        assert run["roles planned"]["host"] > 0, run  # (the read and the aggregation)
+
+
+_HOOK_CODE = """
+import json, warnings, dask, dask.array as da, numpy as np
+{before}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import eugo_dask
+from eugo_dask.array_expressions import hook_installed
+x = np.sin(da.from_array(np.arange(64.0).reshape(8, 8), chunks=4)) + 1
+settings = dict(optimizations=[eugo_dask.eugo], **{{"eugo.device": "emulated",
+                "eugo.min-speedup": 0, "eugo.profile": {{"base": "h200", "cpu": "server-x86"}}}})
+with dask.config.set(settings):
+    result = x.compute(scheduler="sync")
+    device_tasks = eugo_dask.device_stats()["tasks"]
+    plan = eugo_dask.explain(x)
+eugo_dask.reset_device_stats()
+with dask.config.set({{**settings, "optimizations": []}}):
+    expected = x.compute(scheduler="sync")
+print(json.dumps({{
+    "warnings": [str(w.message)[:110] for w in caught if w.category is RuntimeWarning],
+    "hook": hook_installed(), "same": bool(np.array_equal(result, expected)),
+    "device ran": device_tasks > 0, "device ran plain": eugo_dask.device_stats()["tasks"] > 0,
+    "explain": [plan.device, len(plan.gpu_keys)],
+    "upstream": dask.config.get("optimization.expression-passes", None) is not None}}))
+"""
+
+
+def test_the_hook_is_version_pinned_and_only_acts_with_eugo_on():
+    tested = json.loads(_child(["-c", _HOOK_CODE.format(before="")], expressions=True))
+    upstream = tested.pop("upstream")
+    assert tested == {"warnings": [], "hook": True, "same": True, "device ran": True,
+                      "device ran plain": False, "explain": ["emulated", 9]}
+    untested = json.loads(_child(["-c", _HOOK_CODE.format(before="dask.__version__ = '2027.1.0'")],
+                                 expressions=True))
+    if upstream:  # (a Dask with docs/upstream's patch: its config key, whatever its version)
+        assert untested == {**tested, "upstream": True}
+        return
+    assert untested == {
+        "warnings": ["eugo-dask: dask.array runs in array-expression mode (array.query-planning: "
+                     "True) on Dask 2027.1.0; eugo's hook"],
+        "hook": False, "same": True, "device ran": False, "device ran plain": False,
+        "explain": [None, 9], "upstream": False}  # what eugo would do; the graph runs unchanged
+
+
+def test_legacy_mode_is_left_alone():
+    out = json.loads(_child(["-c", _HOOK_CODE.format(before="")], expressions=False))
+    assert out == {"warnings": [], "hook": False, "same": True, "device ran": True,
+                   "device ran plain": False, "explain": ["emulated", 4],
+                   "upstream": out["upstream"]}
