@@ -34,7 +34,8 @@ from dask.highlevelgraph import HighLevelGraph
 from dask.utils import ensure_dict
 
 from eugo_dask.array_optimize import bridge, configured_passes, is_eugo_pass
-from eugo_dask.graph import ChunkInfo, Key
+from eugo_dask.config import read_settings
+from eugo_dask.graph import ChunkInfo, Key, culled
 
 #: The Dask releases (``major.minor``) whose expression machinery the hook was tested with: it
 #: relies on ``Expr.optimize`` being what every compute and persist calls last on the client,
@@ -82,7 +83,8 @@ class PlannedExpr(Expr):
         child = self.operand("expr")
         keys = child.__dask_keys__()
         chunk_info = ChunkInfo.from_expression(child)
-        return self.operand("optimizer").run_passes(child.__dask_graph__(), keys, chunk_info)
+        return self.operand("optimizer").run_passes(culled(child.__dask_graph__(), keys), keys,
+                                                     chunk_info)
 
     def __dask_graph__(self) -> dict[Key, Any]:
         return ensure_dict(self._planned)
@@ -123,6 +125,10 @@ def planned(expr: Expr) -> Expr:
         return expr
     if not _holds_arrays(expr):
         return expr
+    # a bad setting is reported now, on the client, as itself (the bridge validates it again
+    # when the expression is pickled, where distributed would hide it inside "Could not
+    # serialize object of type PlannedExpr")
+    read_settings()
     return PlannedExpr(expr, bridge)
 
 
@@ -191,4 +197,5 @@ def expression_graph(collections: tuple[Any, ...]) -> tuple[dict[Key, Any], Any,
     expr = FinalizeCompute(collections_to_expr(list(collections))).optimize()
     if isinstance(expr, PlannedExpr):
         expr = expr.operand("expr")
-    return ensure_dict(expr.__dask_graph__()), expr.__dask_keys__(), ChunkInfo.from_expression(expr)
+    keys = expr.__dask_keys__()
+    return culled(expr.__dask_graph__(), keys), keys, ChunkInfo.from_expression(expr)

@@ -389,6 +389,15 @@ def optimize_without_linear_fusion(dsk: Any, keys: Key | NestedKeys) -> Any:
     return dsk.cull(set(keys))
 
 
+def culled(dsk: Any, keys: Key | NestedKeys) -> dict[Key, GraphNode]:
+    """``dsk`` as task-spec nodes, less what ``keys`` do not need (what Dask's array optimize
+    does before the pass in legacy mode; an array expression's graph comes uncalled: a slice
+    of a large expression materializes every chunk)."""
+    from dask._task_spec import cull
+
+    return cull(task_spec_dict(dsk), list(flatten_keys(keys)))
+
+
 def materialized_layers(dsk: Any) -> Iterator[Mapping[Key, Any]]:
     """``dsk``'s layers that are materialized already (a plain dict: itself), without
     materializing the others (a collection's new Blockwise layers)."""

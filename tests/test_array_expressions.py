@@ -142,3 +142,65 @@ def test_legacy_mode_is_left_alone():
     assert out == {"warnings": [], "hook": False, "same": True, "device ran": True,
                    "device ran plain": False, "explain": ["emulated", 4],
                    "upstream": out["upstream"]}
+
+
+_BAD_SETTING_CODE = """
+import json
+import dask, dask.array as da
+from distributed import Client, LocalCluster
+import eugo_dask
+
+if __name__ == "__main__":
+    x = da.ones((100, 100), chunks=50)
+    seen = []
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, \\
+            Client(cluster) as client:
+        for how in ("compute", "persist", "client.compute"):
+            y = (x + 1).sum()
+            run = {"compute": y.compute, "persist": y.persist,
+                   "client.compute": lambda: client.compute(y).result(timeout=60)}[how]
+            with dask.config.set({"optimizations": [eugo_dask.eugo], "eugo.dispatch": "gpu"}):
+                try:
+                    run()
+                    seen.append([how, None, ""])
+                except Exception as e:
+                    seen.append([how, type(e).__name__, str(e)])
+        submitted = client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))
+    print(json.dumps({"seen": seen, "tasks on the scheduler": submitted}))
+"""
+
+
+def test_a_bad_setting_is_reported_as_itself_on_a_cluster():
+    # expression mode on distributed: the bad value surfaced as "TypeError: Could not serialize
+    # object of type PlannedExpr", the ValueError naming the key only chained inside it
+    out = json.loads(_child(["-c", _BAD_SETTING_CODE], expressions=True, timeout=300))
+    for how, kind, message in out["seen"]:
+        assert kind == "ValueError", (how, kind, message[:300])
+        assert "eugo.dispatch" in message and "static" in message and "'gpu'" in message, message
+    assert out["tasks on the scheduler"] == 0  # nothing was submitted
+
+
+_SLICE_CODE = """
+import json
+import dask, dask.array as da, eugo_dask
+from eugo_dask.testing import emulated_settings
+
+x = da.random.default_rng(0).random((1024, 1024), chunks=256)
+out = {}
+for name, y in {"element": (x * 2 + 1)[5, 7], "slice": (x * 2)[::3, 10:700],
+                "row": (x * 2 + 1)[3]}.items():
+    with dask.config.set(emulated_settings()):
+        planned = sum(r.device == "gpu" for r in eugo_dask.explain(y))
+        eugo_dask.reset_device_stats()
+        y.compute()
+        out[name] = [planned, eugo_dask.device_stats()["tasks"]]
+print(json.dumps(out))
+"""
+
+
+def test_a_slice_is_planned_for_the_chunks_it_reads():
+    # an array expression's graph comes uncalled: the pass and explain() planned every chunk of
+    # the expression sliced (32 GPU tasks planned for an element whose compute ran 2)
+    out = json.loads(_child(["-c", _SLICE_CODE], expressions=True, timeout=300))
+    for name, (planned, ran) in out.items():
+        assert planned == ran > 0, (name, planned, ran)
