@@ -68,6 +68,9 @@ def test_defaults_registered():
         ("eugo.device-idle-release", 0, r"eugo.device-idle-release must be a duration"),
         ("eugo.staging-buffer", "1 kiB", r"eugo.staging-buffer must be 0 or at least 64 KiB; got 1024"),
         ("eugo.staging-buffer", -5, r"eugo.staging-buffer must be a byte count or size like '1 GiB'; got -5"),
+        ("eugo.read-ahead", -1, r"eugo.read-ahead must be a whole number >= 0 \(blocks per GPU slot\) or null \(reads not paced\); got -1"),
+        ("eugo.read-ahead", "2", r"eugo.read-ahead must be a whole number >= 0 .*; got '2'"),
+        ("eugo.read-ahead", True, r"eugo.read-ahead must be a whole number >= 0 .*; got True"),
     ],
 )
 def test_bad_settings_raise_clear_errors(key, value, match):
