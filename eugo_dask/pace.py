@@ -61,19 +61,19 @@ def pace_reads(graph: dict[Key, GraphNode], copies: Iterable[Key], outputs: set[
     reading one key; ``outputs``: its output keys) so that at most ``window`` of them run ahead
     of the device tasks that consume them (see the module docstring). ``graph`` itself, with no
     tokens, where no read is paced."""
-    reads = _reads(graph, copies, outputs)
+    reads = _candidates(graph, copies, outputs)
     if len(reads) <= window:
         return Paced(graph, [], {})
-    consumers = _device_consumers(graph, reads)
+    consumers = _read_only_by_copies(graph, reads)
     order = _block_order(list(reads))
     index = {read: i for i, read in enumerate(order)}
-    highest = _HighestRead(graph, index)
+    highest = _HighestRead(graph, index, reads)
     gates: dict[Key, Key] = {}  # a read -> the device task it waits for
     for j in range(window, len(order)):
-        candidates = consumers.get(order[j - window])
-        if not candidates:
+        ends = consumers.get(order[j - window])
+        if not ends:
             continue
-        first = min(candidates, key=highest)
+        first = ends[0] if len(ends) == 1 else min(ends, key=highest)
         if highest(first) < j:
             gates[order[j]] = first
     logger.debug("eugo: %d of %d reads paced to the device (window %d)", len(gates),
@@ -83,10 +83,10 @@ def pace_reads(graph: dict[Key, GraphNode], copies: Iterable[Key], outputs: set[
     return _write(graph, reads, gates)
 
 
-def _reads(graph: dict[Key, GraphNode], copies: Iterable[Key], outputs: set[Key]
-           ) -> dict[Key, list[Key]]:
-    """The reads of ``graph``, each with its copies to the device: root tasks (no dependencies,
-    or ``data_producer``) read by nothing but those copies, and not outputs."""
+def _candidates(graph: dict[Key, GraphNode], copies: Iterable[Key], outputs: set[Key]
+                ) -> dict[Key, list[Key]]:
+    """The root tasks (no dependencies, or ``data_producer``) that ``copies`` read, not outputs,
+    each with its copies to the device."""
     reads: dict[Key, list[Key]] = {}
     for copy in copies:
         (source,) = graph[copy].dependencies
@@ -94,38 +94,36 @@ def _reads(graph: dict[Key, GraphNode], copies: Iterable[Key], outputs: set[Key]
         if (type(node) is Task and (node.data_producer or not node.dependencies)
                 and source not in outputs):
             reads.setdefault(source, []).append(copy)
-    copy_keys = {c for cs in reads.values() for c in cs}
-    keys = reads.keys()
-    for key, node in graph.items():
-        deps = node.dependencies
-        if deps and key not in copy_keys and not keys.isdisjoint(deps):
-            for read in keys & deps:  # read by another task than its copy: not a read
-                del reads[read]
     return reads
 
 
-def _device_consumers(graph: dict[Key, GraphNode], reads: dict[Key, list[Key]]
-                      ) -> dict[Key, list[Key]]:
-    """For each read, the end of each device task that reads its copies: the copy of its result
-    back to the host where it has one (until then the result waits on the GPU worker, for a
-    thread there), else the device task itself."""
+def _read_only_by_copies(graph: dict[Key, GraphNode], reads: dict[Key, list[Key]]
+                         ) -> dict[Key, list[Key]]:
+    """Drop from ``reads`` those that another task than their copies reads, in one walk over
+    ``graph`` that also finds, for each read, the end of each device task reading its copies:
+    the copy of its result back to the host where it has one (until then the result waits on
+    the GPU worker, for a thread there), else the device task itself."""
     source_of = {c: read for read, cs in reads.items() for c in cs}
-    copy_keys = source_of.keys()
+    copy_keys, read_keys = source_of.keys(), reads.keys()
     consumers: dict[Key, list[Key]] = {}
-    copied_back: dict[Key, Key] = {}  # a device task -> its copy back
+    back: dict[Key, Key] = {}  # a device task -> its copy back
     for key, node in graph.items():
         deps = node.dependencies
-        if not deps or type(node) is not Task:
+        if not deps:
+            continue
+        if not read_keys.isdisjoint(deps) and key not in copy_keys:
+            for read in read_keys & deps:  # read by another task than its copy: not a read
+                del reads[read]
+        if type(node) is not Task:
             continue
         if node.func is to_host:
-            (copied_back[key],) = deps
+            (device,) = deps
+            back[device] = key
         elif isinstance(node.func, DeviceCall) and not copy_keys.isdisjoint(deps):
             for copy in copy_keys & deps:
                 consumers.setdefault(source_of[copy], []).append(key)
-    if copied_back:
-        back = {device: copy for copy, device in copied_back.items()}
-        consumers = {read: [back.get(k, k) for k in ends] for read, ends in consumers.items()}
-    return consumers
+    return {read: [back.get(k, k) for k in ends] for read, ends in consumers.items()
+            if read in reads}
 
 
 def _block_order(reads: list[Key]) -> list[Key]:
@@ -147,14 +145,27 @@ def _block(key: Key) -> tuple[Any, str]:
 class _HighestRead:
     """The highest read index among a task's ancestors and itself (-1: none), worked out on
     demand and kept: each task is looked at once, whatever the number of device tasks asked
-    about."""
+    about. Known from the start: each read whose dependencies are roots (a ``from_array``'s
+    array, or none), and its copies."""
 
-    def __init__(self, graph: dict[Key, GraphNode], index: dict[Key, int]) -> None:
+    def __init__(self, graph: dict[Key, GraphNode], index: dict[Key, int],
+                 reads: dict[Key, list[Key]]) -> None:
         self.graph, self.index = graph, index
         self.known: dict[Key, int] = {}
+        known = self.known
+        for read, copies in reads.items():
+            deps = graph[read].dependencies
+            if all(d not in graph or not graph[d].dependencies for d in deps):
+                known.update(dict.fromkeys(deps, -1))
+                known.update(dict.fromkeys(copies, index[read]))
+                known[read] = index[read]
 
     def __call__(self, key: Key) -> int:
-        known, graph, index = self.known, self.graph, self.index
+        known = self.known
+        found = known.get(key)
+        if found is not None:
+            return found
+        graph, index = self.graph, self.index
         stack = [key]
         while stack:
             top = stack[-1]
@@ -168,7 +179,7 @@ class _HighestRead:
                 stack.extend(pending)
                 continue
             stack.pop()
-            known[top] = max([index.get(top, -1), *[known[d] for d in deps]])
+            known[top] = max(index.get(top, -1), max(map(known.__getitem__, deps), default=-1))
         return known[key]
 
 
