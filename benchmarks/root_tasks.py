@@ -1,30 +1,43 @@
-"""Reads stay queued root tasks with eugo: peak tasks processing and peak worker memory, plain
-Dask vs eugo, on one cluster of separate processes.
+"""Reads paced to the device with eugo: peak tasks processing, peak worker memory and wall time,
+plain Dask vs eugo with reads unpaced and paced, on one cluster of separate processes.
 
 A large read -> compute -> reduce: ``from_array`` over a synthetic reader of an N² float32 array
 in 600² blocks (each read is a root task distributed queues), ``sin(x)**2 + cos(x)`` per block
 (eugo offloads it to the GPU worker: emulated device, min-speedup 0), then ``.sum()``. The
 cluster is ``dask scheduler --preload eugo_dask.plugin``, a GPU worker (``GPU=1``, emulated
 device, 2 threads) and two CPU workers (1 thread each), all separate processes. The same
-collection is computed plain and with eugo, alternating; while each runs, a periodic callback
-on the scheduler samples every 10 ms the tasks processing on all workers, the tasks queued and
-the keys held in memory, and one on each worker samples its resident memory. Prints the peaks
-side by side, with their ratio eugo/plain, where the compute ran, and that the results agree.
+collection is computed plain (``plain``), with eugo and ``eugo.read-ahead: null`` (``unpaced``:
+reads queued by distributed alone) and with eugo as it is (``eugo``: reads paced), in turn, each
+round; while each runs, a periodic callback on the scheduler samples every 10 ms the tasks
+processing on all workers, the tasks queued and the keys held in memory, and one on each worker
+samples its resident memory. Prints each run's peaks and wall time, the worst peaks' ratios
+eugo/plain (the bound: 2x for tasks processing, 1.5x for memory) and the best wall times' ratio
+eugo/unpaced (within 5%), what ran on the device, and that the results agree.
 
-Reads stay queued, but their consumers run on the GPU worker, and distributed's queuing bounds
-what each worker is processing, not what waits for a consumer elsewhere (dask/distributed#9164:
-root-ish tasks with restricted dependents). Where the device consumes blocks more slowly than the
-reads produce them (here: the emulated device, NumPy on shared cores), reads run ahead. A second
-cluster with ``--memory-limit`` on every worker shows what bounds it: distributed's own spilling
-and pausing (rows marked ``*``).
+Distributed's queuing bounds what each worker is processing, not what waits for a consumer on
+another worker (dask/distributed#9164: root-ish tasks with restricted dependents): unpaced, where
+the device consumes blocks more slowly than the reads produce them (here: the emulated device,
+NumPy on shared cores), reads run ahead and their blocks wait in memory on the GPU worker. Paced
+(:mod:`eugo_dask.pace`), a read waits until the block read W places before it is consumed and
+its result copied back: W is the reads the workers take at once plus ``eugo.read-ahead`` (2) per
+GPU slot, 9 here.
 
-    python benchmarks/root_tasks.py           # 24000² float32 in 600² blocks: 1,600 reads, 2.3 GB; 1 GiB limit
-    python benchmarks/root_tasks.py --quick   # 4800² in 600² blocks: 64 reads; 512 MiB limit
+Here the emulated device's kernels (NumPy, a few ms a block) are not what bounds the run: tasks'
+overheads and transfers on 2 shared cores are, and each paced read waits for its token's
+transfer from the GPU worker. ``--slow-device`` makes the GPU worker's device take 50 ms a task
+(``tests/slow_device.py``), so that it consumes blocks more slowly than they are read, the case
+pacing is for.
+
+    python benchmarks/root_tasks.py           # 24000² float32 in 600² blocks: 1,600 reads, 2.3 GB; 2 rounds
+    python benchmarks/root_tasks.py --quick   # 4800² in 600² blocks: 64 reads; 3 rounds
+    python benchmarks/root_tasks.py --quick --slow-device   # the device takes 50 ms a block
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
+from pathlib import Path
 
 import _common
 import dask
@@ -35,6 +48,7 @@ import eugo_dask
 from eugo_dask.testing import H200_SERVER, process_cluster
 
 BLOCK = 600
+SLOW_DEVICE = str(Path(__file__).resolve().parents[1] / "tests" / "slow_device.py")
 MiB = 2**20
 
 
@@ -108,19 +122,21 @@ def run_once(client, n: int, settings: dict) -> dict:
     client.run_on_scheduler(_start_scheduler_sampling)
     client.run(_start_worker_sampling)
     with dask.config.set(settings):
+        start = time.perf_counter()
         result = float(client.compute(pipeline(n)).result(timeout=1800))
+        wall = time.perf_counter() - start
     peaks = client.run_on_scheduler(_stop_scheduler_sampling)
     growth = dict(client.run(_stop_worker_sampling).values())
-    return {**peaks, "rss": growth, "result": result}
+    return {**peaks, "rss": growth, "result": result, "wall": wall}
 
 
-def measure(n: int, runs: dict[str, dict], *, rounds: int, memory_limit: str | None) -> dict:
-    """Compute the pipeline with each of ``runs``' settings ``rounds`` times, alternating, on a
-    fresh process cluster (``--memory-limit`` on every worker when given). Returns the runs'
-    peaks by name, and how many tasks ran on the GPU worker's device."""
-    extra = ["--memory-limit", memory_limit] if memory_limit else []
-    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": extra},
-               "cpu-0": {"extra": extra}, "cpu-1": {"extra": extra}}
+def measure(n: int, runs: dict[str, dict], *, rounds: int, slow_device: bool = False) -> dict:
+    """Compute the pipeline with each of ``runs``' settings ``rounds`` times, in turn, on a
+    fresh process cluster (with ``slow_device``, the GPU worker's device takes 50 ms a task).
+    Returns the runs' peaks by name, how many tasks ran on the GPU worker's device, and what the
+    plugin warned of."""
+    extra = ["--preload", SLOW_DEVICE] if slow_device else []
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": extra}, "cpu-0": {}, "cpu-1": {}}
     with tempfile.TemporaryDirectory() as logs, process_cluster(logs, workers=workers) as (_, client):
         results: dict[str, list[dict]] = {name: [] for name in runs}
         for _ in range(rounds):
@@ -133,44 +149,54 @@ def measure(n: int, runs: dict[str, dict], *, rounds: int, memory_limit: str | N
             "warnings": warnings}
 
 
-def print_runs(results: dict[str, list[dict]], label: str = "") -> None:
+def print_runs(results: dict[str, list[dict]]) -> None:
     for name, runs in results.items():
         for r in runs:
             rss = r["rss"]
-            print(f"{name + label:<6} {r['processing']:>10} {r['queued']:>7} {r['in_memory']:>9} "
-                  f"{rss['gpu'] / MiB:>20.0f} {rss['cpu-0'] / MiB:>6.0f} {rss['cpu-1'] / MiB:>6.0f}")
+            print(f"{name:<8} {r['processing']:>10} {r['queued']:>7} {r['in_memory']:>9} "
+                  f"{rss['gpu'] / MiB:>20.0f} {rss['cpu-0'] / MiB:>6.0f} {rss['cpu-1'] / MiB:>6.0f}"
+                  f" {r['wall']:>7.2f}")
 
 
 def main() -> None:
-    args = _common.parse_args(_common.benchmark_parser(__doc__))
+    parser = _common.benchmark_parser(__doc__)
+    parser.add_argument("--slow-device", action="store_true",
+                        help="the GPU worker's device takes 50 ms a task (tests/slow_device.py)")
+    args = _common.parse_args(parser)
     n = 4800 if args.quick else 24000
-    rounds = 1 if args.quick else 2
-    limit = "512MiB" if args.quick else "1GiB"
+    rounds = 3 if args.quick else 2
     plain = {"optimizations": []}
     eugo = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated", "eugo.min-speedup": 0,
             "eugo.profile": H200_SERVER}
+    unpaced = {**eugo, "eugo.read-ahead": None}
     print(f"{n}² float32 in {BLOCK}² blocks: {(n // BLOCK) ** 2} reads, "
-          f"{n * n * 4 / 2**30:.2f} GiB; workers: gpu (2 threads, emulated device), cpu-0, cpu-1")
-    free = measure(n, {"plain": plain, "eugo": eugo}, rounds=rounds, memory_limit=None)
-    limited = measure(n, {"eugo": eugo}, rounds=1, memory_limit=limit)
-    print(f"{'run':<6} {'processing':>10} {'queued':>7} {'in memory':>9} "
-          f"{'RSS growth MiB: gpu':>20} {'cpu-0':>6} {'cpu-1':>6}")
-    print_runs(free["runs"])
-    print(f"with --memory-limit {limit} on every worker (distributed spills and pauses):")
-    print_runs(limited["runs"], "*")
-    worst = {name: {"processing": max(r["processing"] for r in runs),
-                    "memory": max(max(r["rss"].values()) for r in runs)}
-             for name, runs in free["runs"].items()}
-    print(f"peak processing eugo/plain: {worst['eugo']['processing'] / worst['plain']['processing']:.2f}; "
-          f"peak worker RSS growth eugo/plain: "
-          f"{worst['eugo']['memory'] / max(worst['plain']['memory'], 1):.2f}")
-    results = [r["result"] for m in (free, limited) for runs in m["runs"].values() for r in runs]
+          f"{n * n * 4 / 2**30:.2f} GiB; workers: gpu (2 threads, emulated device"
+          f"{', 50 ms a task' if args.slow_device else ''}), cpu-0, cpu-1")
+    measured = measure(n, {"plain": plain, "unpaced": unpaced, "eugo": eugo}, rounds=rounds,
+                       slow_device=args.slow_device)
+    runs = measured["runs"]
+    print(f"{'run':<8} {'processing':>10} {'queued':>7} {'in memory':>9} "
+          f"{'RSS growth MiB: gpu':>20} {'cpu-0':>6} {'cpu-1':>6} {'wall s':>7}")
+    print_runs(runs)
+    worst = {name: {"processing": max(r["processing"] for r in rs),
+                    "memory": max(max(r["rss"].values()) for r in rs),
+                    "wall": min(r["wall"] for r in rs)}
+             for name, rs in runs.items()}
+
+    def ratio(name: str, base: str, what: str) -> str:
+        return f"{worst[name][what] / max(worst[base][what], 1e-9):.2f}"
+
+    print(f"peak processing eugo/plain: {ratio('eugo', 'plain', 'processing')} (unpaced/plain: "
+          f"{ratio('unpaced', 'plain', 'processing')}); peak worker RSS growth eugo/plain: "
+          f"{ratio('eugo', 'plain', 'memory')} (unpaced/plain: {ratio('unpaced', 'plain', 'memory')}); "
+          f"best wall eugo/unpaced: {ratio('eugo', 'unpaced', 'wall')} "
+          f"(eugo/plain: {ratio('eugo', 'plain', 'wall')})")
+    results = [r["result"] for rs in runs.values() for r in rs]
     agree = all(np.isclose(r, results[0], rtol=1e-4) for r in results)
-    on_device = free["on_device"] + limited["on_device"]
-    print(f"eugo ran {on_device} tasks on the GPU worker's device; results agree: {agree}")
-    for warning in dict.fromkeys(free["warnings"] + limited["warnings"]):
+    print(f"eugo ran {measured['on_device']} tasks on the GPU worker's device; results agree: {agree}")
+    for warning in dict.fromkeys(measured["warnings"]):
         print(f"plugin warned: {warning}")
-    if not agree or not free["on_device"] or not limited["on_device"]:
+    if not agree or not measured["on_device"]:
         raise SystemExit("the eugo runs did not offload, or the results differ")
 
 

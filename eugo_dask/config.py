@@ -165,6 +165,8 @@ class Settings:
     #: ``eugo.dispatch`` and ``eugo.dual-from`` (see eugo.yaml)
     dispatch: str = "static"
     dual_from: float = 0.05
+    #: blocks read ahead per GPU slot where reads feed the device on a cluster; None: not paced
+    read_ahead: int | None = 2
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -369,6 +371,16 @@ def history_path() -> str | None:
     return history
 
 
+def read_ahead() -> int | None:
+    """``eugo.read-ahead``: the blocks a read may run ahead of the device per GPU slot where
+    reads feed it on a cluster (None: reads are not paced)."""
+    value = _setting("eugo.read-ahead")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError("eugo.read-ahead must be a whole number >= 0 (blocks per GPU slot) or "
+                         f"null (reads not paced); got {value!r}")
+    return value
+
+
 def read_settings() -> Settings:
     """Read and validate the ``eugo.*`` config now in force."""
     check_keys()
@@ -398,6 +410,7 @@ def read_settings() -> Settings:
         history=history,
         dispatch=dispatch,
         dual_from=_number("eugo.dual-from", _setting("eugo.dual-from"), minimum=0),
+        read_ahead=read_ahead(),
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import pickle
 import sys
 from collections.abc import Callable, Iterator
@@ -59,6 +60,19 @@ def gpu_task_slots(scheduler: Any, resource: str) -> list[tuple[float, int]]:
         return []
     return [(float(ws.resources[resource]), int(ws.nthreads))
             for ws in list(scheduler.workers.values()) if ws.resources.get(resource)]
+
+
+def read_slots(scheduler: Any) -> int:
+    """The root tasks the workers of ``scheduler`` take at once: each worker's threads times
+    distributed's ``worker-saturation``, rounded up, as the scheduler counts a worker's room for
+    queued tasks (1.1 where queuing is off); 0 without a scheduler."""
+    if scheduler is None:
+        return 0
+    saturation = float(getattr(scheduler, "WORKER_SATURATION", 1.1))
+    if not math.isfinite(saturation):
+        saturation = 1.1
+    return sum(max(math.ceil(saturation * ws.nthreads), 1)
+               for ws in list(scheduler.workers.values()))
 
 
 def tell_scheduler(scheduler: Any, topic: str, warning: str, *, client: bool) -> None:

@@ -43,6 +43,7 @@ from eugo_dask.config import (
 from eugo_dask.context import (
     gpu_task_slots,
     local_scheduler,
+    read_slots,
     running_scheduler,
     scheduler_plugin,
     tell_scheduler,
@@ -155,6 +156,25 @@ def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
         return 1
     kind, workers = local
     return max(math.ceil(workers / (devices if kind == "threads" else 1)), 1)
+
+
+def _read_window(settings: Settings) -> int | None:
+    """How many reads may run ahead of the device tasks consuming their blocks
+    (:mod:`eugo_dask.pace`), or None where reads are not paced.
+
+    Paced only on a distributed scheduler with GPU workers (a local scheduler's pool is the
+    bound) and with ``eugo.read-ahead`` not null: the reads the workers take at once under
+    distributed's queuing (:func:`~eugo_dask.context.read_slots`), so the CPU threads keep
+    reading, plus ``eugo.read-ahead`` blocks for each GPU slot (a kernel per unit of the
+    resource, at most the worker's threads), so the device never waits for a read."""
+    if settings.read_ahead is None or current_submission() is None:
+        return None
+    scheduler = running_scheduler()
+    slots = sum(min(int(units), threads)
+                for units, threads in gpu_task_slots(scheduler, settings.resource))
+    if not slots:
+        return None
+    return read_slots(scheduler) + settings.read_ahead * slots
 
 
 def _devices_per_process(settings: Settings, profile: Profile) -> int:
@@ -358,7 +378,7 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     how = Rewrite(device, resource, _token(settings, profile),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {},
-                  plan_id, settings.resource)
+                  plan_id, settings.resource, _read_window(settings))
     rewritten = rewrite_graph(graph, plan, described.description, original,
                               flatten_keys(keys), how)
     if settings.learn:

@@ -22,9 +22,10 @@ own). What it does with the annotations the rewrite puts on every task
 - aggregation and ``finalize`` are restricted, loosely, to CPU workers when any exist, unless the
   user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
   Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them.
-  (Queuing bounds what each worker is processing, not what waits for a consumer on another
-  worker: reads whose consumers run on a GPU worker can run ahead of it; see
-  ``benchmarks/root_tasks.py``);
+  Queuing bounds what each worker is processing, not what waits for a consumer on another
+  worker: the pass paces reads whose blocks go to the device (:mod:`eugo_dask.pace`; their
+  tokens, ``eugo-paced-…``, run on GPU workers like copies, holding no GPU slot), and the
+  plugin warns where unpaced reads run ahead of a GPU worker (``benchmarks/root_tasks.py``);
 - a GPU task whose user restrictions no GPU worker meets (``resources={"MEM": 1}`` with ``MEM`` on
   CPU workers only, ``workers=`` naming CPU workers, loose ones) runs its CPU path where they
   allow, with one warning per graph; so do pending ones when the GPU workers that met them leave;
@@ -71,12 +72,13 @@ from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
 from eugo_dask.pass_log import plan_work, recent_plans
 from eugo_dask.rewrite import (
-    COPY_ROLES,
     CPU_ROLE,
     DEVICE_ROLES,
     DUAL_ROLE,
     GPU_ROLE,
     HOST_ROLE,
+    PACE_ROLE,
+    SLOTLESS_ROLES,
     TODEVICE_ROLE,
     TOHOST_ROLE,
     Role,
@@ -89,6 +91,7 @@ from eugo_dask.runtime import (
     MAX_EVENT_TEXT,
     RAN_ON_CPU,
     RAN_ON_DEVICE,
+    after_token,
     cpu_path_task,
 )
 from eugo_dask.usage import GraphUsage, UsageKind
@@ -163,6 +166,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def _fresh_state(self) -> None:
         self.scheduler: Scheduler | None = None
         self.gpu_keys: set = set()  # device work and transfers not finished yet
+        self.pace_keys: set = set()  # those of them that are reads' tokens (eugo_dask.pace)
         self.host_keys: set = set()  # aggregation / finalize not finished yet
         self.host_restricted: set = set()  # those of them the plugin restricted to CPU workers
         self.copy_restricted: set = set()  # copies the plugin restricted to the GPU workers
@@ -253,8 +257,11 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
                 continue
             kind = role.get("role")
-            self._usage_of[key] = usage
-            usage.tasks += 1
+            if kind == PACE_ROLE:  # bookkeeping, not work: in no usage or prefix count
+                self.pace_keys.add(key)
+            else:
+                self._usage_of[key] = usage
+                usage.tasks += 1
             if role.get("cpu_s") is not None and role.get("est_s") is not None:
                 self._estimates[key] = (role["cpu_s"], role["est_s"])
             if kind == CPU_ROLE:
@@ -267,7 +274,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 wanted = self._asking_for_device(ts, kind, asked)
                 if self._device_fits(scheduler, ts, wanted, fits):
                     ts.resource_restrictions = wanted
-                    if kind in COPY_ROLES:
+                    if kind in SLOTLESS_ROLES:  # (copies and reads' tokens ask for none of the slot)
                         self._keep_on_gpu_workers(ts)
                 else:  # (or the GPU workers left between planning and now)
                     self._run_on_cpu(ts)
@@ -301,7 +308,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         the GPU resource's (:func:`~eugo_dask.rewrite.device_request`: the slot for device work,
         none of it for a copy). One dict per distinct request, shared by the tasks that make it."""
         user = ts.resource_restrictions
-        request = (role in COPY_ROLES, frozenset(user.items()) if user else None)
+        request = (role in SLOTLESS_ROLES, frozenset(user.items()) if user else None)
         wanted = asked.get(request)
         if wanted is None:
             wanted = asked[request] = device_request(role, self.resource, user)
@@ -363,8 +370,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if scheduler is None:
             return 0
         count = 0
+        pace_keys = self.pace_keys  # (reads' tokens wait for device work: they are none)
         for key in self.gpu_keys:
-            ts = scheduler.tasks.get(key)
+            ts = scheduler.tasks.get(key) if key not in pace_keys else None
             if (ts is not None and ts.state in _BACKLOG and ts.resource_restrictions
                     and self.resource in ts.resource_restrictions):
                 count += 1
@@ -474,6 +482,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         elif finish == "forgotten":
             self._usage_of.pop(key, None)
             self.gpu_keys.discard(key)
+            self.pace_keys.discard(key)
             self.host_keys.discard(key)
             self.host_restricted.discard(key)
             self.copy_restricted.discard(key)
@@ -484,7 +493,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
     def _watch_backlog(self, key: Key) -> None:
         """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
         worker: distributed queues no task with resource restrictions (dask/distributed#9164),
-        so a CPU worker that finished a read takes the next while the device lags behind."""
+        so a CPU worker that finished a read takes the next while the device lags behind.
+        Only reads the pass did not pace (:mod:`eugo_dask.pace`) count: a paced read waits for
+        the device (a graph planned elsewhere, ``eugo.read-ahead: null``, or a read whose
+        device task also reads later blocks)."""
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         ws = ts.processing_on if ts is not None else None
         if ts is None or ws is None or ws.address in self._backlog_warned:
@@ -496,7 +508,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if checked in self._backlog_checked:
             return
         self._backlog_checked.add(checked)
-        if not any(_is_root(dts) or any(map(_is_root, dts.dependencies))
+        if not any(_unpaced_read(dts) or any(map(_unpaced_read, dts.dependencies))
                    for dts in ts.dependencies):
             return
         self._backlog_warned.add(ws.address)
@@ -532,6 +544,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                                else "cpu")
             usage.ran(kind, startstops, worker)
         self.placements.append((key, role, str(ws.name) if ws is not None else worker))
+        if role == PACE_ROLE:
+            return
         stats = self._prefix(ts.prefix.name)
         estimate = self._estimates.pop(key, None)
         if role == GPU_ROLE:
@@ -873,6 +887,11 @@ def _is_root(ts: TaskState) -> bool:
     since distributed queues only unrestricted root-ish tasks."""
     run_spec = ts.run_spec
     return not ts.dependencies or bool(getattr(run_spec, "data_producer", False))
+
+
+def _unpaced_read(ts: TaskState) -> bool:
+    """A root task (:func:`_is_root`) that the pass did not pace to the device."""
+    return _is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
 
 
 def _is_count(value: Any) -> bool:

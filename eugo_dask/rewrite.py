@@ -54,8 +54,9 @@ from eugo_dask.graph import (
     with_shuffle_id,
 )
 from eugo_dask.ops import GPU, GPU_FAMILIES, HOST_FAMILIES, SOURCE_FAMILIES, classify_node, device_dtype_ok
+from eugo_dask.pace import pace_reads
 from eugo_dask.plan import Plan
-from eugo_dask.runtime import DeviceCall, DualCall, sources_on_device, to_device, to_host
+from eugo_dask.runtime import DeviceCall, DualCall, pace_token, sources_on_device, to_device, to_host
 from eugo_dask.unfuse import task_families
 
 _KEY_OF = operator.attrgetter("key")
@@ -118,19 +119,24 @@ def renamed_key(key: Key, token: str) -> Key:
 #: (aggregation, ``finalize``, I/O), other work the plan kept on the CPU, or work that carries
 #: both paths, placed as it becomes ready (``dual``: its ``cpu_s`` is its seconds on one CPU
 #: thread, its ``est_s`` on a GPU slot, copies in and back included).
-Role = Literal["gpu", "todevice", "tohost", "host", "cpu", "dual"]
+#: ``pace``: a read's token (:mod:`eugo_dask.pace`), run on the GPU worker after a device task.
+Role = Literal["gpu", "todevice", "tohost", "host", "cpu", "dual", "pace"]
 GPU_ROLE: Final = "gpu"
 TODEVICE_ROLE: Final = "todevice"
 TOHOST_ROLE: Final = "tohost"
 HOST_ROLE: Final = "host"
 CPU_ROLE: Final = "cpu"
 DUAL_ROLE: Final = "dual"
-#: Roles that run on GPU workers (device work and the copies on either side of it).
-DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE})
+PACE_ROLE: Final = "pace"
+#: Roles that run on GPU workers (device work, the copies on either side of it, reads' tokens).
+DEVICE_ROLES: frozenset[Role] = frozenset({GPU_ROLE, TODEVICE_ROLE, TOHOST_ROLE, PACE_ROLE})
 #: Roles of the tasks eugo writes (told by their functions).
 _WRITTEN_ROLES: frozenset[Role] = DEVICE_ROLES | {DUAL_ROLE}
 #: Roles that move data over the link: on a GPU worker, but never holding its GPU slot.
 COPY_ROLES: frozenset[Role] = frozenset({TODEVICE_ROLE, TOHOST_ROLE})
+#: Roles on a GPU worker that never hold its GPU slot: the copies, and the tokens (which run
+#: where the device result they wait for is, and take no time).
+SLOTLESS_ROLES: frozenset[Role] = COPY_ROLES | {PACE_ROLE}
 
 
 def device_request(role: Role, resource: str, user: dict[str, Any] | None = None
@@ -138,12 +144,14 @@ def device_request(role: Role, resource: str, user: dict[str, Any] | None = None
     """The resources a task of ``role`` asks for on top of the user's own (``user``).
 
     Device work holds one unit of ``resource``, the GPU slot: one kernel stream per GPU. A copy
-    asks for none of it (``{resource: 0}``): it still goes only to workers that advertise the
-    resource (distributed's ``valid_workers`` keeps the workers that have it, and a worker
-    runs a task whose request it meets: 0 of 0 free), but it runs on a thread of its own while
+    (and a read's token, :mod:`eugo_dask.pace`, which takes no time and runs where the device
+    result it waits for is) asks for none of it (``{resource: 0}``): it still goes only to
+    workers that advertise the resource (distributed's ``valid_workers`` keeps the workers that
+    have it, and a worker runs a task whose request it meets: 0 of 0 free), but it runs on a
+    thread of its own while
     a kernel holds the slot, so copies and kernels overlap instead of taking turns. The link is
     shared by the copies in flight; CUDA orders each direction's copies on the device."""
-    return {resource: 0 if role in COPY_ROLES else 1, **(user or {})}
+    return {resource: 0 if role in SLOTLESS_ROLES else 1, **(user or {})}
 #: A task's role with the estimates behind it: (role, CPU seconds, seconds as chosen).
 RoleEntry = tuple[Role, float | None, float | None]
 
@@ -273,6 +281,8 @@ def _rewritten_role(node: GraphNode) -> Role | None:
         return TODEVICE_ROLE
     if node.func is to_host:
         return TOHOST_ROLE
+    if node.func is pace_token:
+        return PACE_ROLE
     parts = fused(node)
     if parts is not None and any(_rewritten_role(p) in DEVICE_ROLES for p in parts.inner.values()):
         return GPU_ROLE  # fused by Dask after the first pass: device work inside
@@ -351,6 +361,9 @@ class Rewrite(NamedTuple):
     #: the resource whose unit a dual task must be granted to run on the device
     #: (``eugo.resource``)
     slot_resource: str = "GPU"
+    #: the reads that may run ahead of the device tasks consuming them (:mod:`eugo_dask.pace`);
+    #: None: reads are not paced
+    read_window: int | None = None
 
 
 class Rewritten(NamedTuple):
@@ -513,6 +526,8 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
     for old, new in renames.items():
         if old in roles:
             roles[new] = roles.pop(old)
+    if how.read_window is not None:
+        graph = _paced(graph, roles, renames, on_device.to_device_keys, outputs, how.read_window)
     carried = _carried_by_final_keys(how.carried, renames, on_device) if how.carried else {}
     return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources,
                                                       how.plan)),
@@ -534,6 +549,27 @@ def _dual_task(node: Task, how: Rewrite, inner_on_device: dict[int, dict[Key, Gr
         call = calls[(id(node.func), prefix, cost)] = DualCall(
             node.func, how.device, prefix, how.slot_resource, cost)
     return new_task(node.key, call, args, kwargs, node.dependencies, node.data_producer)
+
+
+def _paced(graph: dict[Key, GraphNode], roles: dict[Key, RoleEntry], renames: dict[Key, Key],
+           copies: list[Key], outputs: set[Key], window: int) -> dict[Key, GraphNode]:
+    """``graph`` with its reads paced to the device (:func:`~eugo_dask.pace.pace_reads`): the
+    tokens get their role, a paced read keeps its own under its new key, and ``renames`` maps
+    each original key to the key it finally runs under."""
+    paced = pace_reads(graph, copies, outputs, window)
+    if not paced.tokens:
+        return graph
+    for token in paced.tokens:
+        roles[token] = _PACE_ENTRY
+    before = {new: old for old, new in renames.items() if new in paced.renames}
+    for old, new in paced.renames.items():
+        if old in roles:
+            roles[new] = roles.pop(old)
+        renames[before.get(old, old)] = new
+    return paced.graph
+
+
+_PACE_ENTRY: RoleEntry = (PACE_ROLE, None, None)
 
 
 def _arguments_on_device(node: Task, on_device: dict[Key, TaskRef], reads: frozenset[Key],

@@ -6,7 +6,9 @@ The rewrite (:mod:`eugo_dask.rewrite`) builds three kinds of tasks from these ca
   consumers);
 - ``DeviceCall(func, device)(...)``: the original chunk function run on device arrays;
 - ``to_host(value, device)``: a device->host transfer task, kept under the original key wherever a
-  CPU consumer or an output needs NumPy.
+  CPU consumer or an output needs NumPy;
+- ``pace_token(result)`` and ``after_token(token, value)``: a read paced to the device
+  (:mod:`eugo_dask.pace`) waits for a token that a device task's end releases.
 
 Each carries its CPU path. Where the device is not usable in this process (a worker without CuPy
 or a GPU, or whose own ``eugo.device`` says no) everything passes host arrays through and the
@@ -836,10 +838,24 @@ def cpu_path_task(task: Any) -> Any:
     return Task(task.key, func, *task.args, **task.kwargs)
 
 
+def pace_token(consumed: Any) -> None:
+    """A read's pacing token (:mod:`eugo_dask.pace`): runs on the GPU worker once the device
+    task that consumed an earlier block ended, and hands the paced read None, so that all the
+    read fetches from the GPU worker is that None, never the device result it waited for."""
+    return None
+
+
+def after_token(token: None, value: Any) -> Any:
+    """A paced read: ``value`` is the read's own result (its original task, nested in the paced
+    one and run as it was); ``token`` only made it wait, and is not handed to the read."""
+    return value
+
+
 def is_eugo_callable(func: Any) -> bool:
     """Whether ``func`` is one of the callables this module puts into graphs."""
-    return func in (to_device, to_host, _host_value) or isinstance(func, (DeviceCall, OnDevice))
+    return (func in (to_device, to_host, _host_value, pace_token, after_token)
+            or isinstance(func, (DeviceCall, OnDevice)))
 
 
-__all__ = ["DeviceCall", "DualCall", "OnDevice", "get_device", "is_eugo_callable", "to_device", "to_host",
-           "usable_device"]
+__all__ = ["DeviceCall", "DualCall", "OnDevice", "after_token", "get_device", "is_eugo_callable",
+           "pace_token", "to_device", "to_host", "usable_device"]

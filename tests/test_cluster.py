@@ -1,7 +1,8 @@
 """Cluster truth, on separate-process clusters (``dask scheduler``, ``dask worker``): counts from
-what workers ran, nothing that hangs, root tasks still queued, user annotations kept, a plugin
-registered from a client equal to the preload, bad settings reported where they are made, and
-input from clients or workers that cannot poison the scheduler's counters.
+what workers ran, nothing that hangs, reads still queued and paced to the device, user
+annotations kept, a plugin registered from a client equal to the preload, bad settings reported
+where they are made, and input from clients or workers that cannot poison the scheduler's
+counters.
 
 Every wait has a timeout: a hang is a failure, never a stuck CI."""
 
@@ -17,6 +18,7 @@ import dask.array as da
 import numpy as np
 import pytest
 from dask.array.utils import assert_eq
+from dask.utils import key_split
 from distributed import Client, span
 from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -268,7 +270,7 @@ def test_unsatisfiable_resource_request_is_never_made(tmp_path, case):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Root tasks stay queued
+# 4. Reads stay queued root tasks, paced to the device
 # ---------------------------------------------------------------------------------------------
 class _Lazy:
     """A zarr/h5py-like array read through ``getter``."""
@@ -284,34 +286,75 @@ class _Lazy:
 SLOW_DEVICE = str(Path(__file__).with_name("slow_device.py"))
 
 
-def test_reads_stay_root_tasks_the_scheduler_queues(tmp_path):
+class FinishOrder(SchedulerPlugin):
+    """The task prefixes in the order their tasks finish, as the scheduler records them."""
+
+    name = "finish-order"
+
+    def __init__(self):
+        self.finished = []
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if start == "processing" and finish == "memory":
+            self.finished.append(key_split(key))
+
+
+def most_reads_ahead(finished):
+    """The most reads finished whose device task had not: reads finished minus device tasks
+    finished (one per read here), at its highest after any task finished."""
+    ahead = most = 0
+    for prefix in finished:
+        ahead += (prefix == "array") - prefix.startswith("eugo-gpu")
+        most = max(most, ahead)
+    return most
+
+
+def reads_as_scheduled(dask_scheduler):
+    """Each read the scheduler holds: its state, whether it is root-ish (queued where workers
+    are busy), restricted to workers, asking for resources, and marked a data producer."""
+    return [(ts.state, dask_scheduler.is_rootish(ts), bool(ts.worker_restrictions),
+             bool(ts.resource_restrictions), ts.run_spec.data_producer)
+            for ts in dask_scheduler.tasks.values() if ts.prefix.name == "array"]
+
+
+@pytest.mark.parametrize("read_ahead", [2, None])
+def test_reads_are_paced_to_a_slow_device(tmp_path, read_ahead):
     # the GPU worker's device takes 50 ms a task: slower than the reads, however busy the machine
     workers = {"gpu": {"gpu": True, "extra": ["--preload", SLOW_DEVICE]}, "cpu": {}}
-    x = da.from_array(_Lazy((6000, 6000)), chunks=300)  # 400 reads
+    x = da.from_array(_Lazy((3000, 3000)), chunks=300)  # 100 reads
     y = np.exp(np.sin(x)).sum()
+    # the reads the two one-thread workers take at once (ceil(1.1 x 1) each), and read-ahead
+    # blocks for the one GPU slot
+    window = 2 + 2 + (read_ahead or 0)
     with process_cluster(tmp_path, workers=workers) as (cluster, client):
-        with dask.config.set(SETTINGS):
+        client.register_plugin(FinishOrder())
+        with dask.config.set({**SETTINGS, "eugo.read-ahead": read_ahead}):
             future = client.compute(y)
-
-        def reads():
-            return client.run_on_scheduler(lambda dask_scheduler: [
-                (ts.state, dask_scheduler.is_rootish(ts), bool(ts.worker_restrictions),
-                 bool(ts.resource_restrictions), ts.run_spec.data_producer)
-                for ts in dask_scheduler.tasks.values() if ts.prefix.name == "array"])
-
-        seen = wait_until(lambda: [r for r in reads() if r[0] == "queued"], timeout=30, every=0.05)
-        assert seen, "no read was ever queued"
-        assert all(root and not restricted and not resources and producer
-                   for _, root, restricted, resources, producer in reads())
+        seen = wait_until(lambda: client.run_on_scheduler(reads_as_scheduled), timeout=30,
+                          every=0.05)
         assert float(future.result(timeout=120)) == pytest.approx(
-            6000 * 6000 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
-        # Queued reads still run ahead of a device that consumes their blocks more slowly, since
-        # the consumers run on another worker; the plugin says so, once for the graph
-        # (dask/distributed#9164)
+            3000 * 3000 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+        # reads stay root-ish tasks, unrestricted: distributed queues them where workers are busy
+        assert seen and all(root and not restricted and not resources and producer
+                            for _, root, restricted, resources, producer in seen)
+        finished = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["finish-order"].finished)
         warnings = client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
-        ahead = [w for w in warnings if "run ahead of its device" in w]
+        tokens = {w for k, role, w in placements(client) if role == "pace"}
+    assert finished.count("array") == 100 and sum(p.startswith("eugo-gpu") for p in finished) == 100
+    ahead = [w for w in warnings if "run ahead of its device" in w]
+    if read_ahead is not None:
+        # paced: never more than the window's reads done ahead of the device, no warning;
+        # the tokens ran on the GPU worker
+        assert most_reads_ahead(finished) <= window, finished
+        assert not ahead and tokens == {"gpu"}
+    else:
+        # unpaced, the reads run ahead of the device (dask/distributed#9164): the plugin says
+        # so, once for the graph
+        assert most_reads_ahead(finished) > 2 * window
         assert len(ahead) == 1 and "tasks are assigned to GPU worker gpu" in ahead[0], warnings
+        assert not tokens
 
 
 def test_copies_overlap_kernels_on_a_gpu_worker(tmp_path):

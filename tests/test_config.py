@@ -72,6 +72,9 @@ def test_defaults_registered():
         ("eugo.pinned-results-min", None, r"eugo.pinned-results-min must be a byte count or size like '1 GiB'; got None"),
         ("eugo.register-in-place", True, r"eugo.register-in-place must be a byte count or size like '1 GiB', or null; got True"),
         ("eugo.register-in-place", "-1 MiB", r"eugo.register-in-place must be a byte count or size like '1 GiB', or null; got '-1 MiB'"),
+        ("eugo.read-ahead", -1, r"eugo.read-ahead must be a whole number >= 0 \(blocks per GPU slot\) or null \(reads not paced\); got -1"),
+        ("eugo.read-ahead", "2", r"eugo.read-ahead must be a whole number >= 0 .*; got '2'"),
+        ("eugo.read-ahead", True, r"eugo.read-ahead must be a whole number >= 0 .*; got True"),
     ],
 )
 def test_bad_settings_raise_clear_errors(key, value, match):
