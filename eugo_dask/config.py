@@ -259,10 +259,16 @@ def _per_distinct_values(keys: tuple[str, ...]) -> Callable[[Callable[..., T]], 
     return wrap
 
 
+def _is_whole(value: Any, minimum: int, maximum: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool) from ``minimum`` to ``maximum``."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+            and (maximum is None or value <= maximum))
+
+
 def emulated_device_count() -> int:
     """Emulated devices per process (``eugo.emulated.devices``)."""
     value = _setting("eugo.emulated.devices")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not _is_whole(value, 1):
         raise ValueError(f"eugo.emulated.devices must be a whole number >= 1; got {value!r}")
     return value
 
@@ -307,7 +313,7 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
-    if isinstance(plans, bool) or not isinstance(plans, int) or plans < 0:
+    if not _is_whole(plans, 0):
         raise ValueError(f"eugo.fft-plan-cache-size must be a whole number >= 0; got {plans!r}")
     plan_bytes = _size("eugo.fft-plan-cache-memory", plan_memory, allow_none=True)
     try:
@@ -321,7 +327,7 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     assert staging is not None
     if 0 < staging < 64 * 1024:
         raise ValueError(f"eugo.staging-buffer must be 0 or at least 64 KiB; got {staging!r}")
-    if isinstance(copy_threads, bool) or not isinstance(copy_threads, int) or not 1 <= copy_threads <= 64:
+    if not _is_whole(copy_threads, 1, 64):
         raise ValueError(f"eugo.copy-threads must be a whole number from 1 to 64; got {copy_threads!r}")
     piece = _size("eugo.copy-piece", copy_piece)
     assert piece is not None
@@ -375,7 +381,7 @@ def read_ahead() -> int | None:
     """``eugo.read-ahead``: the blocks a read may run ahead of the device per GPU slot where
     reads feed it on a cluster (None: reads are not paced)."""
     value = _setting("eugo.read-ahead")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+    if value is not None and not _is_whole(value, 0):
         raise ValueError("eugo.read-ahead must be a whole number >= 0 (blocks per GPU slot) or "
                          f"null (reads not paced); got {value!r}")
     return value
