@@ -168,6 +168,73 @@ def _arg_shape(arg: Any, names: dict[Key, Any]) -> Any:
 _PLAIN_LITERALS = frozenset({str, int, float, bool, type(None), tuple, list, type})
 
 
+def _chain_class(inner: dict[Key, GraphNode], inkeys: tuple[Key, ...], outkey: Key,
+                 chunks: ChunkInfo) -> tuple[Any, ...] | None:
+    """What a linearly fused task's chain is, in terms that chunks of the same layers share:
+    for each node in order, a creation (a chunk made from nothing the task reads: its
+    function, layer and annotated chunk) or a blockwise-fused node (its inner graph, which
+    every chunk of its layer shares, its own names, and which earlier node or input of the
+    task each of its arguments is); and the output's annotated chunk. None where a node is
+    anything else (followed as a graph of its own, by :func:`_shape`).
+
+    Linear fusion gives every chunk an inner graph of its own (``random -> (x + 1) * 2``: a
+    creation, then the chunk's blockwise task): writing its shape down (:func:`_shape`) was
+    most of describing such a graph. Chunks whose chains have one class have one shape:
+    a blockwise node's arguments are references alone, and a creation's result is its
+    annotated chunk (:func:`_creations_as_annotated` checks it on the first chunk of each
+    class), which is all that following it depends on."""
+    position: dict[Key, int] = {}
+    nodes: list[tuple[Any, ...]] = []
+    for i, (key, node) in enumerate(inner.items()):
+        if type(node) is not Task:
+            return None
+        args = node.args
+        if node.func is FUSED_FUNC:
+            refs: list[Any] = []
+            for d in args[FUSED_DEPS:]:
+                if type(d) is DataNode:  # a literal of the layer's (the same object in each
+                    refs.append(("data", id(d.value)))  # chunk: alive as long as the graph)
+                    continue
+                if type(d) is not TaskRef:
+                    return None
+                at = position.get(d.key)
+                if at is None:
+                    if d.key not in inkeys:
+                        return None
+                    refs.append(("in", inkeys.index(d.key)))
+                else:
+                    refs.append(at)
+            nodes.append((id(args[FUSED_INNER]), args[FUSED_OUTKEY], args[FUSED_INKEYS],
+                          tuple(refs)))
+        elif (not node.dependencies and type(key) is tuple
+              and classify_node(node)[0] == CREATION):
+            spec = chunks.spec(key)
+            if spec is None:
+                return None
+            nodes.append((id(node.func), key[0], id(spec)))
+        else:
+            return None
+        position[key] = i
+    out = position.get(outkey)
+    if out is None:
+        return None
+    return (tuple(nodes), out, len(inkeys), id(chunks.spec(outkey)))
+
+
+def _creations_as_annotated(inner: dict[Key, GraphNode], chunks: ChunkInfo) -> bool:
+    """Whether the creations of a chain (see :func:`_chain_class`) make the chunks their layers
+    are annotated with, as the shape rules read their arguments."""
+    for key, node in inner.items():
+        if type(node) is Task and node.func is not FUSED_FUNC:
+            family, name = classify_node(node)
+            args = [_resolve(a, {}) for a in node.args]
+            kwargs = {k: _resolve(v, {}) for k, v in node.kwargs.items()}
+            made = infer_step(family, name, node.func, args, kwargs).out
+            if made != chunks.spec(key):
+                return False
+    return True
+
+
 def _literal_shape(value: Any) -> tuple[Any, Any]:
     return type(value), _freeze(_literal(value))
 
@@ -338,6 +405,7 @@ class TaskDescriber:
     def _forget(self) -> None:
         """Empty the caches that carry one task's work over to the next."""
         self._structures: dict[tuple[int, tuple[Key, ...], Key], _Structure] = {}
+        self._chains: dict[tuple[Any, ...], _Structure | None] = {}
         self._shapes: dict[tuple[Any, ...], tuple[str, int]] = {}
         self._followed: dict[tuple[Any, ...], _Followed] = {}
         self._estimates: dict[tuple[Any, ...], Estimate] = {}
@@ -349,12 +417,36 @@ class TaskDescriber:
         # Chunks of one blockwise layer share their inner graph: order it once. The graph keeps
         # these objects alive while we plan, so ids are not reused. (The names of its inputs
         # and its output belong to the task: one inner graph could serve two tasks that name
-        # them differently.)
+        # them differently.) Linear fusion gives each chunk an inner graph of its own: chunks
+        # whose chains are of one class (:meth:`chain_structure`) share one structure.
+        chain = self.chain_structure(parts.inner, parts.inkeys, parts.outkey)
+        if chain is not None:
+            return chain
         which = (id(parts.inner), parts.inkeys, parts.outkey)
         cached = self._structures.get(which)
         if cached is None:
             cached = self._structures[which] = _Structure(parts, self._shapes)
         return cached
+
+    def chain_structure(self, inner: dict[Key, GraphNode], inkeys: tuple[Key, ...],
+                        outkey: Key) -> _Structure | None:
+        """The structure a linearly fused task shares with the other chunks whose chains are of
+        its class (:func:`_chain_class`), made from the first of them; None where the task is
+        not such a chain (the structure is then its own)."""
+        if not self.share:
+            return None
+        which = _chain_class(inner, inkeys, outkey, self.chunks)
+        if which is None:
+            return None
+        try:
+            return self._chains[which]
+        except KeyError:
+            structure = None
+            if _creations_as_annotated(inner, self.chunks):
+                parts = Fused(inner, outkey, inkeys, ())
+                structure = _Structure(parts, self._shapes)
+            self._chains[which] = structure
+            return structure
 
     def describe(self, key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value]
                  ) -> tuple[Estimate, ArraySpec | None, Value, bool]:
@@ -535,7 +627,7 @@ def _held(deps: frozenset[Key], values: Mapping[Key, Value]) -> tuple[int, ...]:
 
 
 def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key, Value],
-                 chunks: ChunkInfo) -> tuple[Any, ...] | None:
+                 chunks: ChunkInfo, describer: TaskDescriber) -> tuple[Any, ...] | None:
     """The identity key under which ``describe_graph`` shares a task's description with the
     chunks of its layer: its function (a fused task's inner graph) and layer, and the very
     objects its arguments are (a dependency's: what ``values`` holds for it, a key from outside
@@ -549,7 +641,11 @@ def _same_inputs(key: Key, node: Task, deps: frozenset[Key], values: Mapping[Key
     args = node.args
     if node.func is FUSED_FUNC:
         outkey = args[FUSED_OUTKEY]
-        return (id(args[FUSED_INNER]), id(args[FUSED_INKEYS]),
+        # a linear chain's inner graph is its own: the class of chain stands for it
+        chain = (describer.chain_structure(args[FUSED_INNER], args[FUSED_INKEYS], outkey)
+                 if type(outkey) is tuple else None)
+        return (id(chain) if chain is not None else id(args[FUSED_INNER]),
+                id(args[FUSED_INKEYS]) if chain is None else None,
                 outkey[0] if type(outkey) is tuple else key_name(key), _held(deps, values),
                 *[id(values.get(d.key, UNKNOWN_ARRAY)) if type(d) is TaskRef
                   else id(d.value) if type(d) is DataNode else id(d)
@@ -617,7 +713,7 @@ def describe_graph(dsk: Graph, chunks: ChunkInfo, profile: Profile,
             # the hashes they hold: a tuple key's hash is not kept, computing it costs)
             inputs.append(frozenset([resolve(d, d) for d in deps])
                           if aliases and not aliases.isdisjoint(deps) else deps)
-            same = _same_inputs(k, node, deps, values, chunks) if share else None
+            same = _same_inputs(k, node, deps, values, chunks, describer) if share else None
             answer = shared.get(same) if same is not None else None
             if answer is None:
                 estimate, spec, handed_on, cacheable = describer.describe(k, node, deps, values)

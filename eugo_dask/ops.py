@@ -251,6 +251,13 @@ def _method_name(caller: Any) -> str:
 _classify_lru = functools.lru_cache(maxsize=4096)(_classify_cached)
 
 
+def is_wrapper(func: Any) -> bool:
+    """Whether ``func`` is one of Dask's ``map_blocks`` wrappers, whose tasks
+    :func:`classify_node` classifies by the function they wrap (any other task: by its own
+    function alone)."""
+    return func in _WRAPPERS
+
+
 def classify_node(node: Any) -> tuple[Family, str]:
     """Op family and short name of a task's function; Dask's ``map_blocks`` wrappers
     (``_enforce_dtype``, ``apply_and_enforce``) are classified by the function they wrap."""

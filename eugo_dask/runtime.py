@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import operator
 import os
@@ -74,7 +75,7 @@ from eugo_dask.devices import (
 )
 from eugo_dask.devices.emulated import EmulatedDevice, EmulatedDeviceArray, set_rebuild_device, set_receive
 from eugo_dask.devices.stats import _stats
-from eugo_dask.graph import Fused, fused
+from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, NO_KWARGS, fused, new_task
 from eugo_dask.ops import device_dtype_ok
 
 logger = logging.getLogger(__name__)
@@ -666,12 +667,27 @@ def sources_on_device(inner_dsk: dict, is_source: Callable[[Any], bool], device_
                 inner = sources_on_device(parts.inner, is_source, device_name, done)
                 if done is not None:
                     done[id(parts.inner)] = inner
-            out[key] = Fused(inner, *parts[1:]).task(key)
+            # (the node's own references: what it reads does not change)
+            out[key] = new_task(key, FUSED_FUNC, (inner, *node.args[FUSED_INNER + 1:]),
+                                NO_KWARGS, node.dependencies)
         elif type(node) is Task and is_source(node):
-            out[key] = Task(key, OnDevice(node.func, device_name), *node.args, **node.kwargs)
+            out[key] = new_task(key, _on_device(node.func, device_name), node.args,
+                                node.kwargs, node.dependencies)
         else:
             out[key] = node
     return out
+
+
+def _on_device(func: Callable[..., Any], device_name: str) -> OnDevice:
+    """One :class:`OnDevice` per source function and device, shared by the chunks of a layer
+    (a linearly fused chunk task's sources are rewritten chunk by chunk)."""
+    try:
+        return _shared_on_device(func, device_name)
+    except TypeError:  # an unhashable function
+        return OnDevice(func, device_name)
+
+
+_shared_on_device = functools.lru_cache(maxsize=256)(OnDevice)
 
 
 class DeviceCall:

@@ -14,24 +14,49 @@ from typing import NamedTuple
 from dask._task_spec import Alias, DataNode, GraphNode, Task, TaskRef
 from dask.base import tokenize
 
-from eugo_dask.graph import FUSED_FUNC, ChunkInfo, Fused, Key, fused, substitute_keys
-from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node
+from eugo_dask.graph import FUSED_FUNC, FUSED_INNER, ChunkInfo, Fused, Key, fused, substitute_keys
+from eugo_dask.ops import CPU_ONLY_FAMILIES, GPU_FAMILIES, IO, Family, classify_node, is_wrapper
 
 
 def task_families(node: GraphNode, known: dict[int, set[Family]] | None = None) -> set[Family]:
     """The op families of the functions in a task (all of them, for a fused task). ``known``:
-    the families of fused tasks' inner graphs seen before, by identity, read and filled in (a
-    linearly fused chunk task's inner graph is its own, the blockwise-fused one nested in it
-    its layer's)."""
+    the families of fused tasks' inner graphs and of plain tasks' functions seen before, by
+    identity, read and filled in (a linearly fused chunk task's inner graph is its own, the
+    blockwise-fused one nested in it its layer's, and the chunks of a layer share their
+    functions)."""
     parts = fused(node)
     if parts is None:
-        return {classify_node(node)[0]} if type(node) is Task else set()
+        if type(node) is not Task:
+            return set()
+        if known is None or is_wrapper(node.func):  # (a wrapper: by the function it wraps)
+            return {classify_node(node)[0]}
+        families = known.get(id(node.func))
+        if families is None:
+            families = known[id(node.func)] = {classify_node(node)[0]}
+        return families
     if known is None:
         return set().union(*[task_families(n) for n in parts.inner.values()])
     families = known.get(id(parts.inner))
     if families is None:
+        if type(parts.outkey) is tuple:  # a linear chain: its inner graph is its own
+            return _chain_families(parts.inner, known)
         families = known[id(parts.inner)] = set().union(
             *[task_families(n, known) for n in parts.inner.values()])
+    return families
+
+
+def _chain_families(inner: dict[Key, GraphNode], known: dict[int, set[Family]]) -> set[Family]:
+    """:func:`task_families` of a linear chain's nodes (once per chunk task of a chain of
+    layers: the families of each node's function or nested inner graph looked up by identity)."""
+    families: set[Family] = set()
+    for node in inner.values():
+        if type(node) is Task:
+            found = known.get(id(node.args[FUSED_INNER]) if node.func is FUSED_FUNC
+                              else id(node.func))
+            if found is not None and not is_wrapper(node.func):
+                families |= found
+                continue
+        families |= task_families(node, known)
     return families
 
 
@@ -63,7 +88,7 @@ def split_mixed_tasks(dsk: dict[Key, GraphNode], chunks: ChunkInfo) -> dict[Key,
         key, node = pending.pop()
         parts = fused(node)
         assert parts is not None  # (mixed)
-        families = families_of[id(parts.inner)]
+        families = task_families(node, families_of)
         if not parts.is_blockwise:
             if out is None:
                 out = dict(dsk)

@@ -11,9 +11,11 @@ import dask
 import dask.array as da
 import numpy as np
 import pytest
+from dask._task_spec import Task
 from dask.array.core import PerformanceWarning
 from dask.array.optimization import optimize as dask_optimize
 from dask.base import tokenize
+from dask.highlevelgraph import HighLevelGraph
 
 from eugo_dask import explain
 from eugo_dask import optimization as optimization_module
@@ -37,7 +39,22 @@ def _many_chunks():
             "map_overlap": x.map_overlap(lambda b: b * 2, depth=1).sum(axis=1),
             "reads": (da.exp(da.from_array(LazyArray(np.arange(230.0 * 170).reshape(230, 170)),
                                            chunks=(20, 30))) * 2).mean(axis=0),
+            # two creations of one chunking in one graph (their chains of one class each)
+            "two-random-chains": (((da.random.default_rng(1).random(
+                (230, 170), chunks=(20, 30), dtype="f4") + 1) * 2).sum(axis=0)
+                + (da.random.default_rng(2).normal(size=(230, 170), chunks=(20, 30)) ** 2
+                   ).sum(axis=0)),
+            # a creation its layer's metadata says makes another dtype than it does
+            "misannotated-ones": (_misannotated_ones() + 1) * 2,
         }
+
+
+def _misannotated_ones():
+    """A user's layer of ``np.ones`` chunks (float64) that its array says are float32."""
+    name = "user-ones"
+    dsk = {(name, i): Task((name, i), np.ones, (10,)) for i in range(7)}
+    return da.Array(HighLevelGraph.from_collections(name, dsk, dependencies=()), name,
+                    chunks=((10,) * 7,), dtype="f4")
 
 
 def _builds():
