@@ -38,6 +38,7 @@ from dask.utils import parse_bytes, parse_timedelta
 
 from eugo_dask.devices import (
     DEVICES,
+    CopyRule,
     DeviceSettings,
     cupy_device_attributes,
     cupy_device_count,
@@ -47,7 +48,16 @@ from eugo_dask.devices import (
 )
 from eugo_dask.measure import cached_local_cpu
 from eugo_dask.ops import DeviceSetting
-from eugo_dask.profile import PRESETS, Profile, check_profile_spec, preset_for_device
+from eugo_dask.profile import (
+    PRESETS,
+    CopiesBySize,
+    CopyPoint,
+    Profile,
+    ProfileError,
+    check_profile_spec,
+    copies_by_size,
+    preset_for_device,
+)
 from eugo_dask.profile import load_profile as _load_profile
 
 logger = logging.getLogger(__name__)
@@ -273,7 +283,7 @@ def emulated_device_count() -> int:
     return value
 
 
-def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
+def _size(key: str, value: Any, *, allow_none: bool = False, allow_auto: bool = False) -> int | None:
     if value is None and allow_none:
         return None
     try:
@@ -281,7 +291,8 @@ def _size(key: str, value: Any, *, allow_none: bool = False) -> int | None:
     except (TypeError, ValueError, AttributeError):  # AttributeError: a list, a mapping
         size = -1
     if isinstance(value, bool) or size < 0:
-        allowed = "a byte count or size like '1 GiB'" + (", or null" if allow_none else "")
+        allowed = (("auto, " if allow_auto else "") + "a byte count or size like '1 GiB'"
+                   + (", or null" if allow_none else ""))
         raise ValueError(f"{key} must be {allowed}; got {value!r}")
     return size
 
@@ -301,15 +312,24 @@ _DEVICE_PATH_KEYS = ("eugo.device", "eugo.emulated.memory-limit", "eugo.emulated
                      *_DEVICE_KEYS)
 
 
+#: The copy engine's keys whose ``auto`` leaves a choice to the profile's per-size copy paths
+#: (:attr:`~eugo_dask.devices.DeviceSettings.per_size`), and that choice.
+_PER_SIZE_KEYS = {"eugo.copy-threads": "threads", "eugo.register-in-place": "h2d",
+                  "eugo.pinned-results-min": "d2h"}
+
+
 @_per_distinct_values(_DEVICE_KEYS)
-def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
-                    staging_size: Any, copy_threads: Any, copy_piece: Any, pinned_results: Any,
-                    pinned_results_min: Any, register_in_place: Any, gpus: Any) -> DeviceSettings:
-    """How this process builds its device: ``eugo.device-memory-fraction`` (the pool limit),
-    ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``, ``eugo.device-idle-release``,
-    ``eugo.staging-buffer``, the copy engine's ``eugo.copy-threads``, ``eugo.copy-piece`` and
-    ``eugo.pinned-results`` (the pinned result pool's cap), ``eugo.pinned-results-min`` and
-    ``eugo.register-in-place``, and ``eugo.gpus-per-process``, validated. Called without
+def configured_device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
+                               staging_size: Any, copy_threads: Any, copy_piece: Any,
+                               pinned_results: Any, pinned_results_min: Any,
+                               register_in_place: Any, gpus: Any) -> DeviceSettings:
+    """The device settings the config keys give, validated: ``eugo.device-memory-fraction``
+    (the pool limit), ``eugo.fft-plan-cache-size``, ``eugo.fft-plan-cache-memory``,
+    ``eugo.device-idle-release``, ``eugo.staging-buffer``, the copy engine's
+    ``eugo.copy-threads``, ``eugo.copy-piece`` and ``eugo.pinned-results`` (the pinned result
+    pool's cap), ``eugo.pinned-results-min`` and ``eugo.register-in-place``, and
+    ``eugo.gpus-per-process``. A copy key at ``auto`` keeps its field's default and names its
+    choice in ``per_size`` (:func:`device_settings` fills it from the profile). Called without
     arguments: the values in force."""
     fraction = _number("eugo.device-memory-fraction", fraction, minimum=0, maximum=1,
                        exclusive_minimum=True)
@@ -327,15 +347,24 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
     assert staging is not None
     if 0 < staging < 64 * 1024:
         raise ValueError(f"eugo.staging-buffer must be 0 or at least 64 KiB; got {staging!r}")
-    if not _is_whole(copy_threads, 1, 64):
-        raise ValueError(f"eugo.copy-threads must be a whole number from 1 to 64; got {copy_threads!r}")
+    values = {"eugo.copy-threads": copy_threads, "eugo.register-in-place": register_in_place,
+              "eugo.pinned-results-min": pinned_results_min}
+    per_size = frozenset(choice for key, choice in _PER_SIZE_KEYS.items() if values[key] == "auto")
+    defaults = DeviceSettings()
+    if copy_threads == "auto":
+        copy_threads = defaults.copy_threads
+    elif not _is_whole(copy_threads, 1, 64):
+        raise ValueError(f"eugo.copy-threads must be auto or a whole number from 1 to 64; "
+                         f"got {copy_threads!r}")
     piece = _size("eugo.copy-piece", copy_piece)
     assert piece is not None
     if piece < 64 * 1024:
         raise ValueError(f"eugo.copy-piece must be at least 64 KiB; got {copy_piece!r}")
     results = _size("eugo.pinned-results", pinned_results)
-    results_min = _size("eugo.pinned-results-min", pinned_results_min)
-    register = _size("eugo.register-in-place", register_in_place, allow_none=True)
+    results_min = (defaults.pinned_results_min_bytes if pinned_results_min == "auto" else
+                   _size("eugo.pinned-results-min", pinned_results_min, allow_auto=True))
+    register = (defaults.register_min_bytes if register_in_place == "auto" else
+                _size("eugo.register-in-place", register_in_place, allow_none=True, allow_auto=True))
     assert results is not None and results_min is not None
     if not isinstance(gpus, str) or gpus not in GPUS_PER_PROCESS:
         raise ValueError(f"eugo.gpus-per-process must be one of {list(GPUS_PER_PROCESS)}; got {gpus!r}")
@@ -343,7 +372,50 @@ def device_settings(fraction: Any, plans: Any, plan_memory: Any, idle: Any,
                           fft_plan_cache_bytes=plan_bytes, idle_release_s=idle_s,
                           staging_bytes=staging, copy_threads=copy_threads, copy_piece_bytes=piece,
                           pinned_results_bytes=results, pinned_results_min_bytes=results_min,
-                          register_min_bytes=register, gpus=gpus)
+                          register_min_bytes=register, gpus=gpus, per_size=per_size)
+
+
+def device_settings() -> DeviceSettings:
+    """How this process builds its device: :func:`configured_device_settings`, and for the
+    copy choices left at ``auto`` (``per_size``) the per-size copy paths of this process's
+    profile (``link.copies_by_size`` of ``eugo.profile``, or where that is ``auto`` of
+    ``eugo.cluster-profile``), each size's path and threads as calibration measured them
+    best. Explicit config wins: a copy key that is set keeps its rule at every size. A profile
+    without per-size copies (every preset) leaves the defaults; one that cannot be read here
+    is logged once and leaves them too (the planner, which reads the same profile, names what
+    is wrong where the graph is planned)."""
+    settings = configured_device_settings()
+    if not settings.per_size:
+        return settings
+    copies = _process_copies()
+    return settings if copies is None else _with_copies(settings, copies)
+
+
+def _process_copies() -> CopiesBySize | None:
+    spec = _setting("eugo.profile")
+    try:
+        if spec == "auto":
+            spec = cluster_profile()
+            if spec is None or spec == "auto":
+                return None
+        return copies_by_size(spec)
+    except ProfileError as e:
+        _warn_unreadable_copies(str(e))
+        return None
+
+
+@functools.lru_cache(maxsize=64)
+def _with_copies(settings: DeviceSettings, copies: CopiesBySize) -> DeviceSettings:
+    def rules(points: tuple[CopyPoint, ...]) -> tuple[CopyRule, ...]:
+        return tuple((p.bytes, p.path, p.threads) for p in points)
+
+    return replace(settings, h2d_by_size=rules(copies.h2d), d2h_by_size=rules(copies.d2h))
+
+
+@functools.cache
+def _warn_unreadable_copies(problem: str) -> None:
+    logger.warning("eugo: the copy engine keeps its default copy paths: this process's profile "
+                   "cannot be read for its per-size copies (%s)", problem)
 
 
 @_per_distinct_values(_DEVICE_PATH_KEYS)
@@ -393,7 +465,7 @@ def read_settings() -> Settings:
     device = process_device()
     resource = read_resource()
     memory_limit_bytes = emulated_memory_limit()
-    device_settings()  # validated here too, so a bad value fails on the client
+    configured_device_settings()  # validated here too, so a bad value fails on the client
     emulated_device_count()
     learn = _setting("eugo.learn")
     if not isinstance(learn, bool):

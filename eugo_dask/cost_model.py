@@ -3,8 +3,8 @@
 Given a task's op family (from its function), the shapes and dtypes of its inputs and output and
 a :class:`~eugo_dask.profile.Profile`, :func:`estimate_task` returns FLOPs, bytes and estimated
 seconds per device. Transfers are priced by :func:`estimate_h2d_seconds` and
-:func:`estimate_d2h_seconds`. Nothing here imports CuPy or distributed, and nothing decides:
-placement is the planner's job.
+:func:`estimate_d2h_seconds`, per size where the profile has per-size copy rates. Nothing here
+imports CuPy or distributed, and nothing decides: placement is the planner's job.
 
 The model, per op family (``n`` elements, ``b`` bytes, rates from the profile):
 
@@ -369,10 +369,23 @@ def estimate_task(steps: list[Step], inputs: list[ArraySpec], out: ArraySpec | N
 
 
 def estimate_h2d_seconds(nbytes: float, profile: Profile) -> float:
-    """Seconds to copy ``nbytes`` of pageable host memory to the device."""
-    return profile.link.latency_s + nbytes / profile.link.h2d_bytes_per_s if nbytes else 0.0
+    """Seconds to copy ``nbytes`` of pageable host memory to the device (:func:`_copy_seconds`)."""
+    return _copy_seconds(nbytes, profile, "h2d")
 
 
 def estimate_d2h_seconds(nbytes: float, profile: Profile) -> float:
-    """Seconds to copy ``nbytes`` from the device to pageable host memory."""
-    return profile.link.latency_s + nbytes / profile.link.d2h_bytes_per_s if nbytes else 0.0
+    """Seconds to copy ``nbytes`` from the device to pageable host memory (:func:`_copy_seconds`)."""
+    return _copy_seconds(nbytes, profile, "d2h")
+
+
+def _copy_seconds(nbytes: float, profile: Profile, direction: str) -> float:
+    """The link's latency and ``nbytes`` at the rate of a copy that size: interpolated in log
+    size between the per-size rates of a calibrated profile (``link.copies_by_size``: the
+    path the runtime takes at each size, measured), else the link's one rate that way."""
+    if not nbytes:
+        return 0.0
+    link = profile.link
+    rate = link.copies_by_size.bytes_per_s(direction, nbytes) if link.copies_by_size else None
+    if rate is None:
+        rate = link.h2d_bytes_per_s if direction == "h2d" else link.d2h_bytes_per_s
+    return link.latency_s + nbytes / rate

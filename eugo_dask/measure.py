@@ -16,7 +16,8 @@ after a warm-up, measured in several rounds; a spread between rounds past
 and the section's ``warnings``), as does a load average above the core count.
 
 :func:`measure_gpu` measures a CUDA device and its link on exactly the paths the runtime uses
-(:class:`eugo_dask.devices.CupyDevice`'s staged copies, a task's stream), corrects what the first
+(:class:`eugo_dask.devices.CupyDevice`'s copies, every path it can take at each size, and a
+task's stream), corrects what the first
 version got wrong (traffic of ``add``, a call overhead that was a difference of equal calls), and
 records first-use costs. Elementwise rates are in the cost model's flop-equivalents
 (:data:`eugo_dask.ops.UFUNC_WEIGHTS`). :mod:`eugo_dask.calibrate` turns these into a profile.
@@ -33,13 +34,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eugo_dask.devices import CupyDevice, DeviceSettings, cupy_device_name, import_cupy
+from eugo_dask.devices import (
+    CopyChoice,
+    CopyRule,
+    CupyDevice,
+    DeviceSettings,
+    copy_candidates,
+    cupy_device_name,
+    device_stats,
+    import_cupy,
+)
 from eugo_dask.files import cache_dir, machine_id, read_json, write_json_atomic
 from eugo_dask.ops import UFUNC_WEIGHTS
 
@@ -441,8 +452,10 @@ def _dask_task_overhead(n_tasks: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # GPU and link (CuPy)
 # ---------------------------------------------------------------------------------------------
-#: Copy sizes (bytes) the link is measured at, by level.
-LINK_SIZES = {"quick": (1 << 20, 1 << 24, 1 << 28), "full": (1 << 20, 1 << 24, 1 << 28, 1 << 30)}
+#: Copy sizes (bytes) the link's copy paths are measured at, by level: 1 MiB to 256 MiB, and
+#: 1 GiB in full (the chunk sizes Dask arrays have).
+LINK_SIZES = {"quick": tuple(n << 20 for n in (1, 4, 16, 64, 256)),
+              "full": tuple(n << 20 for n in (1, 4, 16, 64, 256, 1024))}
 
 _FIRST_USE = """
 import sys, time
@@ -457,58 +470,129 @@ print(time.perf_counter() - start)
 """
 
 
-def measure_link(device: CupyDevice, *, sizes: Sequence[int], repeat: int = 3,
-                 progress: Progress = print) -> dict[str, Any]:
-    """Copy rates on the runtime's own path (:meth:`CupyDevice.to_device`/``to_host`` as
-    ``device.settings`` say: staged through pinned buffers, large results into pinned pool
-    blocks, others into a new host array for each copy back, as a task does) and on
-    raw DMA from and to a warm pinned buffer, at each size in ``sizes`` (bytes), plus the
-    latency of an 8-byte copy. Returns ``{"sizes": [...], "h2d": [...], ... (bytes per second)}``."""
-    cupy = device.cupy
-    out: dict[str, Any] = {"sizes": list(sizes), "h2d": [], "d2h": [], "pinned_h2d": [],
-                           "pinned_d2h": []}
+def measure_link(cupy: Any, settings: DeviceSettings, *, sizes: Sequence[int], repeat: int = 3,
+                 cores: int | None = None, progress: Progress = print) -> dict[str, Any]:
+    """The copies the runtime can take, measured by size: at each size in ``sizes`` (bytes)
+    and each way, every copy :func:`~eugo_dask.devices.copy_candidates` allows with
+    ``settings`` (all paths and 1-8 copy threads where the copy keys are ``auto``, the
+    configured ones where they are set) run through :class:`~eugo_dask.devices.CupyDevice`
+    exactly as a task's copy (a pageable, touched host chunk; a new result array, or a pinned
+    pool block), and raw DMA from and to a warm pinned buffer; plus the latency of an 8-byte
+    copy. A candidate that did not take its path (CUDA refused to register the chunk, the pool
+    had no room) is left out. Returns ``{"copies_by_size": {"h2d": [point, ...], "d2h": [...]},
+    "dma": {"h2d": [...], "d2h": [...]} (bytes per second, by size), "latency_s": ...}``, each
+    point the fastest candidate's (``link.copies_by_size``) with every candidate's rate and the
+    DMA's in ``measured``."""
+    cores = cores or os.cpu_count() or 1
+    devices: dict[tuple[str, CopyChoice], CupyDevice] = {}
+    out: dict[str, Any] = {"copies_by_size": {"h2d": [], "d2h": []}, "dma": {"h2d": [], "d2h": []}}
     with cupy.cuda.Device(0):
         for nbytes in sizes:
-            for kind, rate in _link_rates(device, nbytes, repeat).items():
-                out[kind].append(rate)
-            progress(f"link: {nbytes / (1 << 20):7.0f} MiB  h2d {out['h2d'][-1] / 1e9:6.1f} GB/s  "
-                     f"d2h {out['d2h'][-1] / 1e9:6.1f} GB/s  pinned {out['pinned_h2d'][-1] / 1e9:6.1f}/"
-                     f"{out['pinned_d2h'][-1] / 1e9:6.1f} GB/s")
+            rates = _copy_rates(cupy, settings, devices, nbytes, repeat, cores)
+            for way in ("h2d", "d2h"):
+                dma = rates[way].pop("dma")
+                out["dma"][way].append(dma)
+                name, rate = max(rates[way].items(), key=lambda item: item[1])
+                point: dict[str, Any] = {"bytes": int(nbytes), "bytes_per_s": rate,
+                                         "path": name.split("-")[0]}
+                if point["path"] == "staged":
+                    point["threads"] = int(name.split("-")[1])
+                point["measured"] = {**rates[way], "dma": dma}
+                out["copies_by_size"][way].append(point)
+            progress(f"link: {nbytes / (1 << 20):6.0f} MiB  " + "  ".join(
+                f"{way} {p['bytes_per_s'] / 1e9:5.1f} GB/s {_choice_name(p)} "
+                f"({p['bytes_per_s'] / p['measured']['dma']:.2f} of DMA)"
+                for way, p in ((way, out["copies_by_size"][way][-1]) for way in ("h2d", "d2h"))))
         tiny = np.ones(1, dtype=np.float64)
+        device = next(iter(devices.values()))
         out["latency_s"] = best_seconds(lambda: device.to_device(tiny, 0), repeat=20)
+    for device in devices.values():
+        device._results.clear()
+        device.release_memory()
     return out
+
+
+def _choice_name(point: dict[str, Any]) -> str:
+    return f"staged-{point['threads']}" if point["path"] == "staged" else point["path"]
+
+
+def _copy_device(cupy: Any, settings: DeviceSettings, way: str, choice: CopyChoice) -> CupyDevice:
+    """A device whose copies that way take ``choice`` at every size (one point, per size)."""
+    rule: tuple[CopyRule, ...] = ((1, choice.path, choice.threads if choice.path == "staged" else None),)
+    forced = replace(settings, per_size=frozenset({way, "threads"}), copy_threads=choice.threads)
+    forced = replace(forced, h2d_by_size=rule) if way == "h2d" else replace(forced, d2h_by_size=rule)
+    return CupyDevice(cupy, forced, count=1)
+
+
+def _copy_rates(cupy: Any, settings: DeviceSettings, devices: dict[tuple[str, CopyChoice], CupyDevice],
+                nbytes: int, repeat: int, cores: int) -> dict[str, dict[str, float]]:
+    """Bytes per second of each candidate copy of ``nbytes`` each way, and of raw pinned DMA."""
+    pinned = cupy.cuda.pinned_memory
+    stream = cupy.cuda.get_current_stream()
+    host = np.ones(nbytes, dtype=np.uint8)  # a Dask chunk: pageable, already touched
+    buffer = pinned.PinnedMemoryPointer(pinned.PinnedMemory(nbytes), 0)
+    source = cupy.empty(nbytes, dtype=np.uint8)
+    source.data.copy_from_host_async(host.ctypes.data, nbytes, stream)
+    stream.synchronize()
+    budget = max(0.5, 4 * nbytes / 1e10)
+
+    def rate(copy: Callable[[], Any]) -> float:
+        return nbytes / best_seconds(copy, repeat=repeat, budget_s=budget)
+
+    def dma(way: str) -> Callable[[], None]:
+        def run() -> None:
+            (source.data.copy_from_host_async if way == "h2d" else source.data.copy_to_host_async)(
+                buffer.ptr, nbytes, stream)
+            stream.synchronize()
+        return run
+
+    rates: dict[str, dict[str, float]] = {}
+    direct = nbytes <= CupyDevice.direct_copy_bytes or settings.staging_bytes <= 0
+    for way in ("h2d", "d2h"):
+        rates[way] = {"dma": rate(dma(way))}
+        choices = [CopyChoice("direct", 1)] if direct else copy_candidates(settings, way, nbytes, cores)
+        for choice in choices:
+            key = (way, choice)
+            if key not in devices:
+                devices[key] = _copy_device(cupy, settings, way, choice)
+            device = devices[key]
+            before = device_stats()
+            measured = rate(partial(device.to_device, host) if way == "h2d" else partial(device.to_host, source))
+            if _took(choice, before, device_stats()):
+                rates[way][choice.name] = measured
+    return rates
+
+
+#: The counter each path that is not always taken adds to, and the one that says it was not.
+_PATH_COUNTERS = {"registered": ("h2d_registered", "h2d_register_refused"), "pinned": ("d2h_pinned", None),
+                  "staged": (None, None), "direct": (None, None)}
+
+
+def _took(choice: CopyChoice, before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether every copy measured took ``choice``'s path (by the device's counters)."""
+    taken, refused = _PATH_COUNTERS[choice.path]
+    if refused is not None and after[refused] > before[refused]:
+        return False
+    if taken is None:
+        return True
+    calls = max(after["h2d_count"] - before["h2d_count"], after["d2h_count"] - before["d2h_count"])
+    return after[taken] - before[taken] >= calls
 
 
 def _copy_path(settings: DeviceSettings) -> str:
     """The copy path the link figures were measured on, in words."""
     words = [f"eugo's copies: {settings.staging_bytes >> 20} MiB pinned staging buffers"]
-    if settings.pinned_results_bytes:
+    if "d2h" in settings.per_size:
+        words.append("results back by the path measured best per size")
+    elif settings.pinned_results_bytes:
         words.append(f"results of {settings.pinned_results_min_bytes >> 20} MiB or more into pinned blocks")
-    if settings.register_min_bytes is not None:
+    if "h2d" in settings.per_size:
+        words.append("chunks to the device by the path measured best per size")
+    elif settings.register_min_bytes is not None:
         words.append(f"chunks of {settings.register_min_bytes >> 20} MiB or more page-locked in place")
+    words.append("staging threads measured best per size" if "threads" in settings.per_size
+                 else f"{settings.copy_threads} staging threads")
     return ", ".join(words)
-
-
-def _link_rates(device: CupyDevice, nbytes: int, repeat: int) -> dict[str, float]:
-    cupy = device.cupy
-    pinned = cupy.cuda.pinned_memory
-    stream = cupy.cuda.get_current_stream()
-    host = np.ones(nbytes, dtype=np.uint8)  # a Dask chunk: pageable, already touched
-    dev = device.to_device(host, 0)
-    buffer = pinned.PinnedMemoryPointer(pinned.PinnedMemory(nbytes), 0)
-    budget = max(0.5, 4 * nbytes / 1e10)
-
-    def pinned_h2d() -> None:
-        dev.data.copy_from_host_async(buffer.ptr, nbytes, stream)
-        stream.synchronize()
-
-    def pinned_d2h() -> None:
-        dev.data.copy_to_host_async(buffer.ptr, nbytes, stream)
-        stream.synchronize()
-
-    copies = {"h2d": lambda: device.to_device(host, 0), "d2h": lambda: device.to_host(dev),
-              "pinned_h2d": pinned_h2d, "pinned_d2h": pinned_d2h}
-    return {kind: nbytes / best_seconds(copy, repeat=repeat, budget_s=budget) for kind, copy in copies.items()}
 
 
 def measure_first_use(cupy: Any, device: CupyDevice) -> tuple[float, float]:
@@ -574,7 +658,9 @@ def measure_gpu(*, quick: bool, progress: Progress = print,
     Bandwidth is that of ``add(x, y, out=z)`` (three arrays: two reads and a write) or of a copy
     (a read and a write), whichever is higher; ``call_overhead_s`` is the host's cost per call in
     a stream of back-to-back calls and ``kernel_launch_s`` what a lone call adds until its result
-    is ready; ``h2d``/``d2h`` are the runtime's staged copies and ``pinned_*`` raw DMA; FFT rate,
+    is ready; the link's copies are measured by size on every path the runtime can take
+    (:func:`measure_link`: ``copies_by_size``, the best path at each size; ``h2d``/``d2h`` the
+    largest size's rates) and ``pinned_*`` is raw DMA; FFT rate,
     first use (context, NVRTC compile) and per-thread set-up are measured too. The figures are
     achieved rates: the section says ``measured: true`` and the cost model applies no
     efficiency factors."""
@@ -587,8 +673,8 @@ def measure_gpu(*, quick: bool, progress: Progress = print,
     name = cupy_device_name() or "CUDA device 0"
     progress(f"gpu: {name}")
 
-    progress("link: the runtime's staged copies and raw pinned DMA")
-    link_rates = measure_link(device, sizes=LINK_SIZES[level], progress=progress)
+    progress("link: the runtime's copy paths by size, and raw pinned DMA")
+    link_rates = measure_link(cupy, device.settings, sizes=LINK_SIZES[level], progress=progress)
 
     with cupy.cuda.Device(0):
         sync = cupy.cuda.get_current_stream().synchronize
@@ -644,14 +730,17 @@ def measure_gpu(*, quick: bool, progress: Progress = print,
         gpu["first_use_s"] = first_use
     if math.isfinite(thread_setup):
         gpu["thread_setup_s"] = thread_setup
-    largest = -1  # the largest size: what chunks of tens to hundreds of MiB see
+    copies = link_rates["copies_by_size"]
     link = {
         "name": f"host link of {name} ({_copy_path(device.settings)})",
-        "h2d_bytes_per_s": link_rates["h2d"][largest],
-        "d2h_bytes_per_s": link_rates["d2h"][largest],
-        "pinned_h2d_bytes_per_s": max(link_rates["pinned_h2d"]),
-        "pinned_d2h_bytes_per_s": max(link_rates["pinned_d2h"]),
+        # the largest size's: what chunks of tens to hundreds of MiB see, where a planner
+        # reads one rate each way (copies_by_size prices every size)
+        "h2d_bytes_per_s": copies["h2d"][-1]["bytes_per_s"],
+        "d2h_bytes_per_s": copies["d2h"][-1]["bytes_per_s"],
+        "pinned_h2d_bytes_per_s": max(link_rates["dma"]["h2d"]),
+        "pinned_d2h_bytes_per_s": max(link_rates["dma"]["d2h"]),
         "latency_s": link_rates["latency_s"],
+        "copies_by_size": copies,
     }
     if stable.warnings:
         gpu["source"] += "; unstable: " + "; ".join(stable.warnings)

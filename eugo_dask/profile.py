@@ -25,6 +25,7 @@ model's job.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -78,6 +79,8 @@ _LINK_FIELDS = {
     "pinned_h2d_bytes_per_s": "positive?",
     "pinned_d2h_bytes_per_s": "positive?",
     "latency_s": "non-negative",
+    # per-size copy rates, each with the path that measured best (calibrate)
+    "copies_by_size": "copies?",
 }
 _CPU_FIELDS = {
     "name": "str",
@@ -140,6 +143,49 @@ class GPUProfile:
     thread_setup_s: float | None = None
 
 
+#: The copy paths a point of ``link.copies_by_size`` may name, by direction: ``direct`` (from or to
+#: the pageable chunk itself), ``staged`` (through pinned staging buffers, the host memcpy split
+#: over ``threads``), ``registered`` (the chunk page-locked in place, one DMA), ``pinned`` (the
+#: result copied straight into a pinned block of the result pool).
+COPY_PATHS: dict[str, tuple[str, ...]] = {"h2d": ("direct", "registered", "staged"),
+                                          "d2h": ("direct", "pinned", "staged")}
+_COPY_POINT_FIELDS = ("bytes", "bytes_per_s", "measured", "path", "threads")
+
+
+@dataclass(frozen=True)
+class CopyPoint:
+    """One measured size of a copy direction: the rate of the path that measured best there
+    (``threads``: a staged copy's host memcpy threads; None for the other paths) and, where
+    calibration kept them, every path's rate at that size (``measured``, ``dma``: raw pinned
+    DMA; not compared: it says what lost, nothing decides by it)."""
+
+    bytes: int
+    bytes_per_s: float
+    path: str
+    threads: int | None = None
+    measured: Mapping[str, float] | None = dataclasses.field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class CopiesBySize:
+    """A link's copy rates by size and direction (``link.copies_by_size``), sizes increasing.
+    The cost model prices a copy from :meth:`bytes_per_s`; the runtime takes, for a copy of
+    ``n`` bytes, the path of the point nearest ``n`` (:mod:`eugo_dask.devices.copies`)."""
+
+    h2d: tuple[CopyPoint, ...] = ()
+    d2h: tuple[CopyPoint, ...] = ()
+
+    def bytes_per_s(self, direction: str, nbytes: float) -> float | None:
+        """The rate of a copy of ``nbytes`` in ``direction`` (``h2d``/``d2h``), interpolated in
+        log size between the measured points and held flat past either end; None where the
+        direction has none."""
+        points: tuple[CopyPoint, ...] = getattr(self, direction)
+        if not points:
+            return None
+        return float(np.interp(math.log(max(nbytes, 1.0)), [math.log(p.bytes) for p in points],
+                               [p.bytes_per_s for p in points]))
+
+
 @dataclass(frozen=True)
 class LinkProfile:
     name: str
@@ -148,6 +194,8 @@ class LinkProfile:
     latency_s: float
     pinned_h2d_bytes_per_s: float | None = None
     pinned_d2h_bytes_per_s: float | None = None
+    #: per-size rates and paths (calibrate); None: one rate each way, the two above
+    copies_by_size: CopiesBySize | None = None
 
 
 @dataclass(frozen=True)
@@ -293,6 +341,8 @@ def _check_field(where: str, value: Any, kind: str) -> None:
         _check_class_rates(where, value)
     elif kind == "rates":
         _check_rates(where, value)
+    elif kind == "copies":
+        _check_copies(where, value)
     else:
         _check_number(where, value, kind)
 
@@ -319,6 +369,62 @@ def _check_class_rates(where: str, value: Any) -> None:
                     _check_number(f"{where}.{dtype}.{name}[{i}]", point[1], "positive")
             else:
                 _check_number(f"{where}.{dtype}.{name}", points, "positive")
+
+
+def _check_copies(where: str, value: Any) -> None:
+    """``{h2d: [point, ...], d2h: [point, ...]}`` (either direction or both), each point
+    ``{bytes, bytes_per_s, path[, threads][, measured]}`` (a null optional field is an absent
+    one; a direction without points is one the link's single rate prices): sizes whole and
+    increasing, rates
+    positive, ``path`` one of the direction's :data:`COPY_PATHS`, ``threads`` (1 to 64) given
+    for a staged copy and only for one, ``measured`` a mapping of names to positive rates."""
+    _check_keys(value, COPY_PATHS,
+                f"{where} must be a mapping with fields {sorted(COPY_PATHS)} (either or both); "
+                f"got {value!r}",
+                lambda unknown: f"{where} has unknown field(s) {unknown}; allowed: {sorted(COPY_PATHS)}")
+    for direction, points in value.items():
+        there = f"{where}.{direction}"
+        if not isinstance(points, (list, tuple)):
+            raise ProfileError(f"{_CONFIG_KEY}: {there} must be a list of points "
+                               f"{{bytes, bytes_per_s, path[, threads][, measured]}}; got {points!r}")
+        last = 0
+        for i, point in enumerate(points):
+            _check_copy_point(f"{there}[{i}]", point, COPY_PATHS[direction], last)
+            last = point["bytes"]
+
+
+def _check_copy_point(where: str, point: Any, paths: tuple[str, ...], last: int) -> None:
+    _check_keys(point, _COPY_POINT_FIELDS,
+                f"{where} must be a mapping with fields {list(_COPY_POINT_FIELDS)}; got {point!r}",
+                lambda unknown: f"{where} has unknown field(s) {unknown}; "
+                                f"allowed: {list(_COPY_POINT_FIELDS)}")
+    for name in ("bytes", "bytes_per_s", "path"):
+        if name not in point:
+            raise ProfileError(f"{_CONFIG_KEY}: '{where}.{name}' is missing")
+    _check_number(f"{where}.bytes", point["bytes"], "count")
+    if point["bytes"] <= last:
+        raise ProfileError(f"{_CONFIG_KEY}: {where}.bytes must be larger than the point's before "
+                           f"({last}): sizes increase; got {point['bytes']!r}")
+    _check_number(f"{where}.bytes_per_s", point["bytes_per_s"], "positive")
+    path = point["path"]
+    if path not in paths:
+        raise ProfileError(f"{_CONFIG_KEY}: {where}.path must be one of {list(paths)}; got {path!r}")
+    threads = point.get("threads")
+    if path == "staged":
+        if threads is None or isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) \
+                or not 1 <= threads <= 64:
+            raise ProfileError(f"{_CONFIG_KEY}: {where}.threads must be a whole number from 1 to 64 "
+                               f"for a staged copy; got {threads!r}")
+    elif threads is not None:
+        raise ProfileError(f"{_CONFIG_KEY}: {where}.threads is a staged copy's; path {path!r} has "
+                           f"none; got {threads!r}")
+    measured = point.get("measured")
+    if measured is not None:
+        if not isinstance(measured, Mapping) or not all(isinstance(k, str) for k in measured):
+            raise ProfileError(f"{_CONFIG_KEY}: {where}.measured must map path names to rates; "
+                               f"got {measured!r}")
+        for name, rate in measured.items():
+            _check_number(f"{where}.measured.{name}", rate, "positive")
 
 
 def _check_rates(where: str, value: Any) -> None:
@@ -517,8 +623,10 @@ class ReadOnlyTable(dict[str, Any]):
 
 
 def _unfrozen(value: Any) -> Any:
-    if isinstance(value, ReadOnlyTable):
+    if isinstance(value, dict):  # a read-only table, or a section's table made a dict by asdict
         return {key: _unfrozen(inner) for key, inner in value.items()}
+    if isinstance(value, tuple) and any(isinstance(inner, dict) for inner in value):
+        return [_unfrozen(inner) for inner in value]  # copies_by_size's points
     return value
 
 
@@ -529,9 +637,21 @@ def _class_rates(table: Mapping[str, Mapping[str, Any]]) -> ReadOnlyTable:
         for dtype, classes in table.items()})
 
 
+def _copies(table: Mapping[str, Any]) -> CopiesBySize:
+    def point(p: Mapping[str, Any]) -> CopyPoint:
+        measured = p.get("measured")
+        return CopyPoint(bytes=int(p["bytes"]), bytes_per_s=float(p["bytes_per_s"]), path=str(p["path"]),
+                         threads=None if p.get("threads") is None else int(p["threads"]),
+                         measured=None if measured is None else ReadOnlyTable(
+                             {str(k): float(v) for k, v in measured.items()}))
+
+    return CopiesBySize(**{direction: tuple(point(p) for p in points)
+                           for direction, points in table.items()})
+
+
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "str": str, "bool": bool, "str-list": tuple, "count": int, "positive": float,
-    "non-negative": float, "rates": _rates, "class-rates": _class_rates,
+    "non-negative": float, "rates": _rates, "class-rates": _class_rates, "copies": _copies,
 }
 
 
@@ -594,6 +714,12 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any], *,
     """Load the profile ``spec``: a preset name, a path, or a mapping (see the module doc).
     ``local_cpu`` gives the ``cpu`` section of a profile that has none (see :data:`LocalCPU`);
     without it such a profile raises :class:`ProfileError`."""
+    return _load_cached(*_cache_key(spec), local_cpu)
+
+
+def _cache_key(spec: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, tuple[int, ...] | None]:
+    """What the per-process caches of profiles are keyed by: ``spec`` as sorted JSON and, for a
+    file, its version (change and modification time, size, inode)."""
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
     try:
@@ -609,7 +735,24 @@ def load_profile(spec: str | os.PathLike[str] | Mapping[str, Any], *,
             version = (stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size, stat.st_ino)
         except OSError:
             pass  # profile_dict names the problem
-    return _load_cached(frozen, version, local_cpu)
+    return frozen, version
+
+
+def copies_by_size(spec: str | os.PathLike[str] | Mapping[str, Any]) -> CopiesBySize | None:
+    """The per-size copy paths and rates of the profile ``spec`` (``link.copies_by_size``), or
+    None where it has none (no preset has). Validated as :func:`profile_dict` does, its CPU
+    section neither read nor measured; cached per spec and file version, as profiles are.
+    Raises :class:`ProfileError` naming what is wrong."""
+    if isinstance(spec, str) and spec in PRESETS:
+        return None
+    return _copies_cached(*_cache_key(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _copies_cached(frozen: str, version: tuple[int, ...] | None) -> CopiesBySize | None:
+    link = profile_dict(json.loads(frozen))["link"]
+    table = link.get("copies_by_size")
+    return None if table is None else _copies(table)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,6 +12,10 @@ measured and appends one JSON record to ``--json`` (the script's ``results.jsonl
   registering alone costs; the defaults as shipped) against raw pinned DMA, 1 MiB to 1 GiB
   both ways, as rates and ratios, and whether chunks of 16 MiB and more reach 0.8 of the DMA
   rate; a column that fails is recorded with its error and the others still measure;
+- ``paths``: the runtime's copies with the calibrated profile in force (``--profile``, what the
+  ``calibrate`` step wrote), 1 MiB to 1 GiB both ways: the path the profile chose at each size
+  (its per-size points), the path taken (device counters), the rate against raw pinned DMA, and
+  the rate the planner prices that copy at;
 - ``waits``: a slow kernel ahead of a copy back outside a task (a strided view, staged and
   direct: values wrong), and the thread CPU time while a task scope and a copy back wait for a
   0.5 s kernel (blocking-sync events: the thread sleeps);
@@ -57,6 +61,10 @@ MiB = 1 << 20
 
 class NoGPU(Exception):
     pass
+
+
+class NotRun(Exception):
+    """A check skipped for a reason of its own (it says which)."""
 
 
 def gpu() -> Any:
@@ -159,7 +167,8 @@ def _copies_at(cupy: Any, staged: CupyDevice, direct: CupyDevice, nbytes: int) -
         "eugo_h2d": lambda: staged.to_device(host),
         "eugo_d2h_new_array": lambda: staged.to_host(on_device),  # what a task does
         "eugo_d2h_reused_array": synchronised(
-            lambda: staged._d2h(on_device.data, _host_bytes(warm_out), stream)),
+            lambda: staged._d2h(on_device.data, _host_bytes(warm_out), stream,
+                                staged._copy_choice("d2h", nbytes))),
         "cupy_asarray": synchronised(lambda: cupy.asarray(host)),
         "cupy_asnumpy": lambda: cupy.asnumpy(on_device),
         "pageable_h2d": lambda: direct.to_device(host),
@@ -285,6 +294,81 @@ def check_engine() -> dict[str, Any]:
         print(f"column {name} failed: {error}", flush=True)
     return {"cores": cores, "rows": rows, "best_of_dma_from_16MiB": best_from_16, "paths": paths,
             "errors": errors, "meets_0_8": all(v >= 0.8 for v in best_from_16.values())}
+
+
+def _path_taken(way: str, before: dict[str, Any], after: dict[str, Any]) -> str:
+    """The path one copy took, from the device counters around it."""
+    def grew(name: str) -> bool:
+        return after[name] > before[name]
+
+    if way == "h2d":
+        return "registered" if grew("h2d_registered") else "staged" if grew("h2d_staged") else "direct"
+    return "pinned" if grew("d2h_pinned") else "staged" if grew("d2h_staged") else "direct"
+
+
+def _paths_at(cupy: Any, device: CupyDevice, copies: Any, nbytes: int) -> dict[str, Any]:
+    """One size of :func:`check_paths`: each way the path chosen, the path taken, GB/s of the
+    runtime's copy, of raw pinned DMA beside it, and the rate the planner prices."""
+    stream = cupy.cuda.get_current_stream()
+    pinned_mod = cupy.cuda.pinned_memory
+    host = np.ones(nbytes, dtype=np.uint8)
+    on_device = device.to_device(host)
+    pinned = pinned_mod.PinnedMemoryPointer(pinned_mod.PinnedMemory(nbytes), 0)
+
+    def dma(way: str) -> None:
+        (on_device.data.copy_from_host_async if way == "h2d" else on_device.data.copy_to_host_async)(
+            pinned.ptr, nbytes, stream)
+        stream.synchronize()
+
+    row: dict[str, Any] = {"MiB": nbytes // MiB}
+    for way, copy in (("h2d", lambda: device.to_device(host)), ("d2h", lambda: device.to_host(on_device))):
+        chosen = device._copy_choice(way, nbytes)
+        before = eugo_dask.device_stats()
+        copy()
+        taken = _path_taken(way, before, eugo_dask.device_stats())
+        rate = nbytes / best(copy, 3 if nbytes < 512 * MiB else 2) / 1e9
+        dma_rate = nbytes / best(lambda way=way: dma(way), 3) / 1e9
+        priced = copies.bytes_per_s(way, nbytes) if copies else None
+        row[way] = {"chosen": chosen.name, "taken": taken, "GBps": rate, "dma_GBps": dma_rate,
+                    "of_dma": rate / dma_rate, "priced_GBps": None if priced is None else priced / 1e9}
+    return row
+
+
+def check_paths(profile: str | None) -> dict[str, Any]:
+    """The runtime's copies with a calibrated profile in force (``eugo.profile``: the
+    ``calibrate`` step's): at each size each way, the path the profile chose (its nearest
+    per-size point), the path the copy took (the device counters), its rate against raw pinned
+    DMA measured beside it, and the rate the planner prices that copy at."""
+    cupy = gpu()
+    if not profile or not os.path.exists(profile):
+        raise NotRun(f"no calibrated profile at {profile!r} (the calibrate step writes it)")
+    import dask
+
+    from eugo_dask.config import device_settings
+    from eugo_dask.profile import copies_by_size
+
+    with dask.config.set({"eugo.profile": profile}):
+        settings = device_settings()
+    copies = copies_by_size(profile)
+    device = CupyDevice(cupy, settings, count=1)
+    rows = []
+    for mib in ENGINE_SIZES_MIB:
+        row = _paths_at(cupy, device, copies, mib * MiB)
+        rows.append(row)
+        print(f"{mib:>5} MiB  " + "  ".join(
+            f"{way} {r['chosen']}->{r['taken']} {r['GBps']:5.1f} GB/s ({r['of_dma']:.2f} of DMA "
+            f"{r['dma_GBps']:.1f}; priced {r['priced_GBps'] or 0:.1f})"
+            for way, r in ((w, row[w]) for w in ("h2d", "d2h"))), flush=True)
+        cupy.get_default_memory_pool().free_all_blocks()
+    mismatches = [f"{r['MiB']} MiB {way}: chose {r[way]['chosen']}, took {r[way]['taken']}"
+                  for r in rows for way in ("h2d", "d2h")
+                  if r[way]["taken"] != r[way]["chosen"].split("-")[0]]
+    from_16 = {way: min((r[way]["of_dma"] for r in rows if r["MiB"] >= 16), default=0.0) for way in ("h2d", "d2h")}
+    print(f"runtime's copies from 16 MiB, worst size: h2d {from_16['h2d']:.2f}, d2h {from_16['d2h']:.2f} of raw "
+          f"pinned DMA (target 0.8); paths as chosen: {not mismatches} {mismatches}", flush=True)
+    device.release_memory()
+    return {"profile": profile, "rows": rows, "of_dma_from_16MiB": from_16, "mismatches": mismatches,
+            "taken_as_chosen": not mismatches, "meets_0_8": all(v >= 0.8 for v in from_16.values())}
 
 
 def check_timing() -> dict[str, Any]:
@@ -624,7 +708,7 @@ def check_distributed() -> dict[str, Any]:
 CHECKS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": check_env, "copies": check_copies, "engine": check_engine, "timing": check_timing, "memory": check_memory,
     "threads": check_threads, "throughput": check_throughput, "distributed": check_distributed,
-    "waits": check_waits,
+    "waits": check_waits, "paths": check_paths,
 }
 
 
@@ -633,16 +717,18 @@ def main() -> None:
     parser.add_argument("check", choices=sorted(CHECKS))
     parser.add_argument("--json", help="append the record to this JSON-lines file")
     parser.add_argument("--seconds", type=float, default=18.0, help="memory: seconds per run")
+    parser.add_argument("--profile", help="paths: the calibrated profile to copy with")
     args = parser.parse_args()
     start = time.perf_counter()
     record: dict[str, Any] = {"check": args.check}
     try:
-        kwargs = {"seconds": args.seconds} if args.check == "memory" else {}
+        kwargs: dict[str, Any] = ({"seconds": args.seconds} if args.check == "memory" else
+                                  {"profile": args.profile} if args.check == "paths" else {})
         record["result"] = CHECKS[args.check](**kwargs)
         record["status"] = "ok"
-    except NoGPU as e:
+    except (NoGPU, NotRun) as e:
         record["status"] = "skipped"
-        record["reason"] = f"no usable CUDA device: {e}"
+        record["reason"] = f"no usable CUDA device: {e}" if isinstance(e, NoGPU) else str(e)
         print(f"{args.check}: skipped: {record['reason']}", flush=True)
     except Exception as e:  # recorded, and the exit status says so
         record["status"] = "failed"

@@ -14,7 +14,8 @@
 #   gpu-check.log   every step's output, appended as it runs
 #   results.jsonl   one JSON record per step (status, seconds, figures)
 #   summary.txt     one line per step: name, status, seconds, limit
-#   calibrated.yaml the quick calibration's profile (what the seed table prices with)
+#   calibrated.yaml the quick calibration's profile (what the seed table prices with; its
+#                   link.copies_by_size: each copy path's rate by size, the best chosen)
 #   seed_table.png  the seed's six workloads, plotted
 #   dual-cupy.json  run-time dispatch on the device (scripts/dual_check.py)
 set -uo pipefail
@@ -79,7 +80,11 @@ step memory 50 $checks memory --seconds 18 --json "$results"
 step threads 20 $checks threads --json "$results"
 step throughput 70 $checks throughput --json "$results"
 step distributed 50 $checks distributed --json "$results"
-step calibrate 50 python3 -m eugo_dask.cli calibrate --quick -o "$out/calibrated.yaml"
+# the quick calibration measures every copy path at 1-256 MiB each way and keeps the best per
+# size (link.copies_by_size); paths then copies 1 MiB-1 GiB with that profile in force: the
+# path chosen and the path taken at each size, against raw pinned DMA
+step calibrate 70 python3 -m eugo_dask.cli calibrate --quick -o "$out/calibrated.yaml"
+step paths 40 $checks paths --profile "$out/calibrated.yaml" --json "$results"
 profile=h200
 [ -s "$out/calibrated.yaml" ] && profile="$(realpath "$out/calibrated.yaml")"
 step seed-table 80 bash -c 'cd benchmarks && python3 seed_table.py --medium --profile "$1" --plot "$2"' \

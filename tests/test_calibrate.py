@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import dask
@@ -52,7 +53,8 @@ def test_quick_calibration_is_a_valid_profile(quick_profile):
 
 def test_calibration_measures_the_configured_copy_path(quick_profile, monkeypatch):
     """Where a GPU is measured, its copies run with the device settings in force (pinned
-    results, registration), as the runtime's do; the link's name says which path."""
+    results, registration and threads as set, per size where auto), as the runtime's do; the
+    link's name says which path."""
     from eugo_dask import calibrate as calibrate_module
     from eugo_dask.devices import DeviceSettings
     from eugo_dask.measure import _copy_path
@@ -67,8 +69,15 @@ def test_calibration_measures_the_configured_copy_path(quick_profile, monkeypatc
         assert calibrate(quick=True, progress=lambda _: None)["name"] == "calibrated"
     assert (seen[0].pinned_results_min_bytes, seen[0].register_min_bytes) == (16 << 20, 256 << 20)
     assert _copy_path(seen[0]) == ("eugo's copies: 8 MiB pinned staging buffers, results of 16 MiB or "
-                                   "more into pinned blocks, chunks of 256 MiB or more page-locked in place")
-    assert _copy_path(DeviceSettings(pinned_results_bytes=0)) == "eugo's copies: 8 MiB pinned staging buffers"
+                                   "more into pinned blocks, chunks of 256 MiB or more page-locked in place, "
+                                   "staging threads measured best per size")
+    assert _copy_path(DeviceSettings(pinned_results_bytes=0)) == (
+        "eugo's copies: 8 MiB pinned staging buffers, 4 staging threads")
+    with dask.config.set({"eugo.copy-threads": 2}):
+        calibrate(quick=True, progress=lambda _: None)
+    assert _copy_path(seen[1]) == ("eugo's copies: 8 MiB pinned staging buffers, results back by the path "
+                                   "measured best per size, chunks to the device by the path measured best "
+                                   "per size, 2 staging threads")
 
 
 def test_calibrated_profile_prices_tasks(quick_profile, tmp_path):
@@ -169,3 +178,125 @@ def test_calibrated_matmul_table_prices_large_chunks():
 
 
 _SERVER = yaml.safe_load((Path(eugo_dask.__file__).parent / "profiles" / "server-x86.cpu.yaml").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The copy paths, measured by size (on the stand-in CuPy: sizes cut to kilobytes)
+# ---------------------------------------------------------------------------------------------
+KB = 1024
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    import os
+
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=1)
+    for name, value in (("cupy", module), ("cupy.fft", module.fft), ("cupy.fft.config", module.fft.config)):
+        monkeypatch.setitem(sys.modules, name, value)
+    fake_cupy.reset()
+    monkeypatch.setattr(CupyDevice, "direct_copy_bytes", 16 * KB)  # straight up to 16 kB
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    return module, fake_cupy
+
+
+def _measure(module, settings, sizes=(16 * KB, 256 * KB, 1024 * KB)):
+    from eugo_dask.measure import measure_link
+
+    messages = []
+    return measure_link(module, settings, sizes=sizes, repeat=1, progress=messages.append), messages
+
+
+def test_calibration_measures_every_path_at_every_size_and_keeps_the_best(stand_in):
+    """Copy keys at auto: at each size each way every path the runtime can take (straight,
+    staged on 1, 2, 4 and 8 threads, registered in place / pinned results) and raw DMA; the
+    point is the fastest's, a valid link.copies_by_size; up to the direct size only the
+    direct copy (the runtime takes nothing else there)."""
+    from eugo_dask.config import configured_device_settings
+    from eugo_dask.devices import DeviceSettings
+
+    module, _ = stand_in
+    settings = replace(configured_device_settings(), staging_bytes=64 * KB, copy_piece_bytes=16 * KB)
+    assert settings.per_size == {"threads", "h2d", "d2h"}
+    link, messages = _measure(module, settings)
+    copies = link["copies_by_size"]
+    assert [p["bytes"] for p in copies["h2d"]] == [16 * KB, 256 * KB, 1024 * KB]
+    assert set(copies["h2d"][0]["measured"]) == {"direct", "dma"} == set(copies["d2h"][0]["measured"])
+    staged = {"staged-1", "staged-2", "staged-4", "staged-8"}
+    assert set(copies["h2d"][1]["measured"]) == {"direct", "registered", "dma"} | staged
+    assert set(copies["d2h"][2]["measured"]) == {"direct", "pinned", "dma"} | staged
+    for way in ("h2d", "d2h"):
+        for point in copies[way]:
+            rates = {k: v for k, v in point["measured"].items() if k != "dma"}
+            best = max(rates, key=rates.get)
+            assert point["bytes_per_s"] == rates[best]
+            assert best == (f"staged-{point['threads']}" if point["path"] == "staged" else point["path"])
+            assert ("threads" in point) == (point["path"] == "staged")
+    assert link["latency_s"] > 0 and len(link["dma"]["h2d"]) == 3
+    validate_profile_dict({"name": "c", "gpu": _H200["gpu"], "link": {**_H200["link"], "copies_by_size": copies},
+                           "cpu": _SERVER})
+    assert len(messages) == 3 and "of DMA" in messages[-1]
+    # explicit keys are measured as set: the runtime takes them whatever the profile says
+    fixed = replace(settings, per_size=frozenset(), copy_threads=2, register_min_bytes=512 * KB,
+                    pinned_results_min_bytes=2048 * KB)
+    link, _ = _measure(module, fixed)
+    assert [set(p["measured"]) - {"dma"} for p in link["copies_by_size"]["h2d"]] == [
+        {"direct"}, {"staged-2"}, {"registered"}]
+    assert [p["path"] for p in link["copies_by_size"]["d2h"]] == ["direct", "staged", "staged"]
+    no_pool = replace(settings, pinned_results_bytes=0)
+    link, _ = _measure(module, no_pool, sizes=(256 * KB,))
+    assert "pinned" not in link["copies_by_size"]["d2h"][0]["measured"]
+    assert DeviceSettings().per_size == frozenset()  # a device made without config: as configured
+
+
+def test_a_path_that_was_not_taken_is_not_recorded(stand_in):
+    """Where CUDA refuses to page-lock the chunk, the registered copy is staged: its time is
+    not registration's, and it is left out rather than recorded under that name."""
+    from eugo_dask.config import configured_device_settings
+
+    module, fake_cupy = stand_in
+    settings = replace(configured_device_settings(), staging_bytes=64 * KB, copy_piece_bytes=16 * KB)
+    fake_cupy.refuse_registration[0] = 1  # cudaErrorInvalidValue on every registration
+    link, _ = _measure(module, settings, sizes=(256 * KB,))
+    (point,) = link["copies_by_size"]["h2d"]
+    assert "registered" not in point["measured"] and point["path"] != "registered"
+    assert "direct" in point["measured"] and "staged-4" in point["measured"]
+
+
+def test_what_calibration_found_best_is_the_path_the_runtime_takes(stand_in, tmp_path):
+    """The calibrated profile, loaded as eugo.profile: at each measured size the device the
+    runtime makes copies by the path calibration recorded (read back from the counters)."""
+    from eugo_dask import device_stats, reset_device_stats
+    from eugo_dask.config import configured_device_settings, device_settings
+    from eugo_dask.devices import CupyDevice
+
+    module, _ = stand_in
+    settings = replace(configured_device_settings(), staging_bytes=64 * KB, copy_piece_bytes=16 * KB)
+    link, _ = _measure(module, settings)
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(yaml.safe_dump({"name": "c", "gpu": _H200["gpu"], "cpu": _SERVER,
+                                    "link": {**_H200["link"], "copies_by_size": link["copies_by_size"]}}))
+    with dask.config.set({"eugo.profile": str(path)}):
+        device = CupyDevice(module, replace(device_settings(), staging_bytes=64 * KB, copy_piece_bytes=16 * KB),
+                            count=1)
+    for i, nbytes in enumerate((16 * KB, 256 * KB, 1024 * KB)):
+        host = np.ones(nbytes, dtype=np.uint8)
+        for way in ("h2d", "d2h"):
+            reset_device_stats()
+            on_device = device.to_device(host)
+            if way == "d2h":
+                reset_device_stats()
+                device.to_host(on_device)
+            stats = device_stats()
+            taken = {"h2d": "registered" if stats["h2d_registered"] else "staged" if stats["h2d_staged"] else "direct",
+                     "d2h": "pinned" if stats["d2h_pinned"] else "staged" if stats["d2h_staged"] else "direct"}[way]
+            point = link["copies_by_size"][way][i]
+            assert taken == point["path"], (way, nbytes, point)
+            if taken == "staged":
+                assert stats["staged_threads"] == {min(point["threads"], nbytes // (16 * KB)): 1}
+
+
+_H200 = yaml.safe_load((Path(eugo_dask.__file__).parent / "profiles" / "h200.yaml").read_text())

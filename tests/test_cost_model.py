@@ -189,3 +189,58 @@ def test_zero_d_results_stay_on_the_host():
     x = host((1,), "one", dtype="i8")
     (d,) = [d for d in decisions(da.squeeze(x)) if d.shape == ()]
     assert d.device == "cpu" and "a 0-d result" in d.reason, d.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies priced per size
+# ---------------------------------------------------------------------------------------------
+MiB = 1 << 20
+#: slow at 1 MiB, near the link from 64 MiB: what a calibration that found pinned results and
+#: registration paying for large chunks writes
+PER_SIZE = {"h2d": [{"bytes": MiB, "bytes_per_s": 1e9, "path": "direct"},
+                    {"bytes": 64 * MiB, "bytes_per_s": 4.5e10, "path": "registered"}],
+            "d2h": [{"bytes": MiB, "bytes_per_s": 1e9, "path": "direct"},
+                    {"bytes": 64 * MiB, "bytes_per_s": 4.5e10, "path": "pinned"}]}
+
+
+@pytest.mark.parametrize("name", eugo_dask.profile.PRESETS)
+def test_presets_price_copies_at_their_one_rate_each_way(name):
+    from eugo_dask.cost_model import estimate_d2h_seconds, estimate_h2d_seconds
+
+    link = load_profile({"base": name, "cpu": "server-x86"}).link
+    for nbytes in (8, MiB, 64 * MiB, 1 << 30):
+        assert estimate_h2d_seconds(nbytes, load_profile({"base": name, "cpu": "server-x86"})) == \
+            link.latency_s + nbytes / link.h2d_bytes_per_s
+        assert estimate_d2h_seconds(nbytes, load_profile({"base": name, "cpu": "server-x86"})) == \
+            link.latency_s + nbytes / link.d2h_bytes_per_s
+    assert estimate_h2d_seconds(0, load_profile({"base": name, "cpu": "server-x86"})) == 0.0
+
+
+def test_copies_are_priced_from_the_per_size_rates():
+    from eugo_dask.cost_model import estimate_d2h_seconds, estimate_h2d_seconds
+
+    profile = load_profile({**PROFILE, "link": {"copies_by_size": PER_SIZE, "latency_s": 0}})
+    assert estimate_h2d_seconds(MiB, profile) == pytest.approx(MiB / 1e9)
+    assert estimate_h2d_seconds(8 * MiB, profile) == pytest.approx(8 * MiB / 2.3e10)  # half way in log size
+    assert estimate_d2h_seconds(1 << 30, profile) == pytest.approx((1 << 30) / 4.5e10)  # flat past the end
+    one_way = load_profile({**PROFILE, "link": {"copies_by_size": {"h2d": PER_SIZE["h2d"]}}})
+    assert estimate_d2h_seconds(MiB, one_way) == pytest.approx(1e-5 + MiB / 4.0e9)  # the link's rate back
+
+
+def test_the_per_size_rate_flips_the_decision_where_it_should():
+    """sin over a 64 MiB chunk stays on the CPU with the h200 preset's staged rates (8.3 and
+    4.0 GB/s: its two copies cost 25 ms against 17 ms of CPU work) and goes to the GPU where
+    the per-size rates say copies of that size run at 45 GB/s; a 1 MiB chunk, whose copies the
+    same profile prices at 1 GB/s, stays on the CPU either way, now for a dearer copy."""
+    def sin_of(mib, profile):
+        x = host((mib * MiB // 8,), f"x{mib}")
+        with dask.config.set({"eugo.device": "emulated", "eugo.profile": profile}):
+            (d,) = [d for d in eugo_dask.explain(np.sin(x)) if d.op == "elementwise"]
+        return d
+
+    per_size = {**PROFILE, "link": {"copies_by_size": PER_SIZE}}
+    assert sin_of(64, PROFILE).device == "cpu" and sin_of(64, per_size).device == "gpu"
+    assert sin_of(64, per_size).h2d_s == pytest.approx(1e-5 + 64 * MiB / 4.5e10)
+    small, small_per_size = sin_of(1, PROFILE), sin_of(1, per_size)
+    assert small.device == small_per_size.device == "cpu"
+    assert small_per_size.h2d_s > 5 * small.h2d_s

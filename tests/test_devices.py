@@ -719,6 +719,75 @@ def test_spilling_a_pinned_result_gives_its_block_back_to_the_host(fake, tmp_pat
         np.testing.assert_array_equal(worker.data[f"r{i}"], np.full(32 * 1024, float(i)))
 
 
+def test_a_copy_takes_the_path_nearest_its_size(monkeypatch):
+    """choose_copy: the profile's point nearest the copy's size in log size (the larger of two
+    as near) where the choice is per size; the config's rule where it is not (explicit config
+    wins) or the profile has no point; never a pinned result where the pool's cap is 0."""
+    from eugo_dask.devices import CopyChoice, choose_copy
+
+    rules = dict(h2d_by_size=((1 << 20, "direct", None), (16 << 20, "staged", 8), (256 << 20, "registered", None)),
+                 d2h_by_size=((4 << 20, "staged", 2), (64 << 20, "pinned", None)))
+    every = DeviceSettings(per_size=frozenset({"threads", "h2d", "d2h"}), **rules)
+    assert [choose_copy(every, "h2d", n << 20) for n in (1, 3, 4, 5, 63, 64, 1024)] == [
+        ("direct", 8), ("direct", 8), ("staged", 8), ("staged", 8), ("staged", 8),
+        ("registered", 8), ("registered", 8)]  # 4 MiB: as near 1 as 16 in log size: the larger
+    assert choose_copy(every, "d2h", 16 << 20) == CopyChoice("pinned", 2)  # 16: as near 4 as 64
+    assert choose_copy(every, "d2h", 15 << 20) == CopyChoice("staged", 2)
+    # explicit threads, explicit paths: the config's rules at every size
+    paths_only = DeviceSettings(per_size=frozenset({"h2d", "d2h"}), copy_threads=3, **rules)
+    assert choose_copy(paths_only, "h2d", 16 << 20) == ("staged", 3)
+    threads_only = DeviceSettings(per_size=frozenset({"threads"}), register_min_bytes=100 << 20, **rules)
+    assert choose_copy(threads_only, "h2d", 200 << 20) == ("registered", 8)
+    assert choose_copy(threads_only, "h2d", 2 << 20) == ("staged", 8)  # the nearest staged point's threads
+    assert choose_copy(threads_only, "d2h", 63 << 20) == ("staged", 2)
+    assert choose_copy(threads_only, "d2h", 64 << 20) == ("pinned", 2)  # pinned-results-min: 64 MiB
+    none = DeviceSettings(**rules)
+    assert choose_copy(none, "h2d", 1 << 30) == ("staged", 4) and choose_copy(none, "d2h", 1 << 30) == ("pinned", 4)
+    assert choose_copy(DeviceSettings(per_size=every.per_size), "h2d", 1 << 30) == ("staged", 4)  # no points
+    no_pool = DeviceSettings(per_size=every.per_size, pinned_results_bytes=0, **rules)
+    assert choose_copy(no_pool, "d2h", 1 << 30) == ("staged", 2)
+    assert choose_copy(every, "d2h", 1 << 30).name == "pinned" and CopyChoice("staged", 4).name == "staged-4"
+
+
+def _copy_paths(dev, nbytes):
+    """The paths a copy of ``nbytes`` each way took on ``dev``, read from the counters."""
+    reset_device_stats()
+    host = np.arange(nbytes // 8, dtype=np.float64)
+    back = dev.to_host(dev.to_device(host))
+    np.testing.assert_array_equal(back, host)
+    stats = device_stats()
+    h2d = ("registered" if stats["h2d_registered"] else "staged" if stats["h2d_staged"] else "direct")
+    d2h = ("pinned" if stats["d2h_pinned"] else "staged" if stats["d2h_staged"] else "direct")
+    return h2d, d2h, stats["staged_threads"]
+
+
+def test_the_device_takes_the_path_the_profile_measured_best_at_each_size(fake, monkeypatch):
+    """A CupyDevice with per-size copy paths copies each size the way its nearest point says
+    (counted: h2d_registered, h2d_staged, d2h_pinned, d2h_staged, staged_threads), and where
+    the choices are not per size (the config keys set), the config's way at every size."""
+    import os
+
+    dev, fake_cupy = fake
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    kb = 1024
+    rules = dict(staging_bytes=64 * kb, copy_piece_bytes=16 * kb,
+                 h2d_by_size=((128 * kb, "staged", 2), (512 * kb, "registered", None), (2048 * kb, "direct", None)),
+                 d2h_by_size=((128 * kb, "staged", 4), (512 * kb, "pinned", None), (2048 * kb, "staged", 1)))
+    per_size = type(dev)(dev.cupy, DeviceSettings(per_size=frozenset({"threads", "h2d", "d2h"}), **rules))
+    per_size.direct_copy_bytes = 4096
+    assert per_size._copier.threads == 4  # the most any point asks for
+    assert _copy_paths(per_size, 128 * kb) == ("staged", "staged", {2: 1, 4: 1})
+    assert _copy_paths(per_size, 512 * kb) == ("registered", "pinned", {})
+    assert _copy_paths(per_size, 2048 * kb) == ("direct", "staged", {1: 1})
+    assert not fake_cupy._registered and not fake_cupy.unpinned_copies
+    # explicit config: no registration, pinned results from 1 MiB, 3 threads, at every size
+    configured = type(dev)(dev.cupy, DeviceSettings(copy_threads=3, pinned_results_min_bytes=1 << 20, **rules))
+    configured.direct_copy_bytes = 4096
+    assert _copy_paths(configured, 128 * kb) == ("staged", "staged", {3: 2})
+    assert _copy_paths(configured, 512 * kb) == ("staged", "staged", {3: 2})
+    assert _copy_paths(configured, 2048 * kb) == ("staged", "pinned", {3: 1})
+
+
 @pytest.fixture
 def registering(fake):
     """A CupyDevice on the stand-in CuPy that page-locks host chunks of 64 kB and more in place."""

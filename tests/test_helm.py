@@ -886,6 +886,76 @@ def test_calibrating_a_cuda_worker_group_requests_one_gpus_share():
     assert container["resources"]["requests"]["memory"] == str(10**10 // 3)
 
 
+PROFILE_MOUNT = {"name": "profile", "mountPath": "/etc/eugo", "readOnly": True}
+#: optional: a worker pod starts whether or not the ConfigMap exists yet
+PROFILE_VOLUME = {"name": "profile", "configMap": {"name": "demo-eugo-dask-eugo-profile", "optional": True}}
+
+
+def _profile_reading(pod: dict) -> tuple[str | None, bool, bool]:
+    """A pod's eugo.cluster-profile, whether it mounts the profile ConfigMap at /etc/eugo and
+    whether it has that ConfigMap as a volume (optional)."""
+    (c,) = pod["containers"]
+    return (env(c).get("DASK_EUGO__CLUSTER_PROFILE"), PROFILE_MOUNT in c["volumeMounts"],
+            PROFILE_VOLUME in pod["volumes"])
+
+
+@pytest.mark.parametrize("name, values", [
+    ("calibration", VALUE_SETS["calibration"]),
+    ("cuda-worker", VALUE_SETS["cuda-worker"] | {"calibration": {"enabled": True}}),
+])
+def test_the_calibrated_gpu_group_copies_by_the_calibrated_profile(name, values):
+    """The calibration Job measures the first GPU group's machine and the scheduler prices
+    copies by its per-size rates: that group's workers (dask worker or dask cuda worker) mount
+    the profile ConfigMap read-only and read the scheduler's eugo.cluster-profile, the calibrated
+    path first (they mounted nothing and copied by the built-in rules). CPU workers get neither;
+    the Job measures as before (the same pod, so the same name)."""
+    docs = render(values)
+    pods = pod_specs(docs)
+    scheduler = env(pods["demo-eugo-dask-scheduler"]["containers"][0])["DASK_EUGO__CLUSTER_PROFILE"]
+    assert json.loads(scheduler)[0] == "/etc/eugo/calibrated.yaml"
+    gpu = pods["demo-eugo-dask-gpu-worker"]
+    assert _profile_reading(gpu) == (scheduler, True, True)
+    assert [v for v in gpu["volumes"] if v["name"] == "profile"] == [PROFILE_VOLUME]
+    assert _profile_reading(pods["demo-eugo-dask-cpu-worker"]) == (None, False, False)
+    job = calibration_job(docs)["spec"]["template"]["spec"]
+    assert _profile_reading(job) == (None, False, False)
+    notes = render_text(values)["eugo-dask/templates/NOTES.txt"]
+    assert 'The "gpu" workers copy by the calibrated profile\'s per-size copy paths once it is stored.' in notes
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) not in CRDS:
+            for version in KUBE_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_only_the_calibrated_group_copies_by_the_calibration():
+    """One Job calibrates the first GPU group: the L4 workers copy by it, the T4 workers (another
+    machine) keep the runtime's built-in rules."""
+    values = VALUE_SETS["two-gpu-types"] | {"calibration": {"enabled": True}}
+    pods = pod_specs(render(values))
+    assert _profile_reading(pods["demo-eugo-dask-l4-worker"]) == ('["/etc/eugo/calibrated.yaml","l4"]', True, True)
+    assert _profile_reading(pods["demo-eugo-dask-t4-worker"]) == (None, False, False)
+    assert _profile_reading(pods["demo-eugo-dask-cpu-worker"]) == (None, False, False)
+
+
+def test_gpu_workers_read_a_profile_only_where_it_is_more_than_their_preset():
+    """Without calibration or an eugo.profile the scheduler plans with the group's preset, which
+    has no per-size copies: the workers' pod templates stay as they were. An eugo.profile of
+    one's own reaches the first GPU group as the scheduler has it (a path counts where that group
+    mounts it too); a group's own env entry replaces the chart's."""
+    for name in ("default", "two-gpu-types", "autoscaling", "tls"):
+        for pod_name, pod in pod_specs(rendered(name)).items():
+            if pod_name.endswith("-worker"):
+                assert _profile_reading(pod) == (None, False, False), (name, pod_name)
+    pods = pod_specs(rendered("everything"))  # eugo.profile: /etc/eugo-site/profile.yaml
+    assert _profile_reading(pods["demo-eugo-dask-gpu-worker"]) == ('["/etc/eugo-site/profile.yaml","l4"]', False, False)
+    assert _profile_reading(pods["demo-eugo-dask-cpu-worker"]) == (None, False, False)
+    values = VALUE_SETS["calibration"]
+    own = {"name": "DASK_EUGO__CLUSTER_PROFILE", "value": "/etc/site/gpu.yaml"}
+    values = values | {"workerGroups": [values["workerGroups"][0], values["workerGroups"][1] | {"env": [own]}]}
+    (c,) = pod_specs(render(values))["demo-eugo-dask-gpu-worker"]["containers"]
+    assert [e for e in c["env"] if e["name"] == own["name"]] == [own]
+
+
 def test_calibration_ttl_only_when_asked_for():
     values = VALUE_SETS["calibration"]
     assert "ttlSecondsAfterFinished" not in calibration_job(render(values))["spec"]
@@ -1052,6 +1122,70 @@ def test_rendered_commands_run_as_local_processes(tmp_path):
             names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
             by_name = {names[a]: s for a, s in stats.items()}
         assert by_name["gpu-worker-0"]["tasks"] > 0 and by_name["cpu-worker-0"]["tasks"] == 0
+
+
+#: A worker preload: the worker's CuPy is the stand-in (tests/fake_cupy.py), one device.
+STAND_IN_CUPY = str(Path(__file__).with_name("stand_in_cupy.py"))
+MiB = 1 << 20
+#: What a calibration of this machine found: from 16 MiB page-locked in place to the device and
+#: straight into pinned blocks back (the built-in rules stage both ways below 64 MiB).
+CALIBRATED = {"name": "calibrated-here", "base": "t4", "link": {"copies_by_size": {
+    "h2d": [{"bytes": 2 * MiB, "bytes_per_s": 9e9, "path": "staged", "threads": 2},
+            {"bytes": 16 * MiB, "bytes_per_s": 2.4e10, "path": "registered"}],
+    "d2h": [{"bytes": 2 * MiB, "bytes_per_s": 8e9, "path": "staged", "threads": 2},
+            {"bytes": 16 * MiB, "bytes_per_s": 2.5e10, "path": "pinned"}]}}}
+
+
+def _copy_round_trip(nbytes: int) -> tuple[bool, str, str]:
+    """A chunk to the device and back through the runtime's transfer tasks, on a GPU worker:
+    whether it came back equal, and the path each copy took (as device_stats counts them)."""
+    import numpy as np
+
+    import eugo_dask
+    from eugo_dask.runtime import to_device, to_host
+
+    eugo_dask.reset_device_stats()
+    host = np.arange(nbytes // 8, dtype=np.float64)
+    on_device = to_device(host, "cupy")
+    assert type(on_device).__module__ == "tests.fake_cupy", type(on_device)  # it went to the device
+    back = to_host(on_device, "cupy")
+    stats = eugo_dask.device_stats()
+    return (bool(np.array_equal(back, host)),
+            "registered" if stats["h2d_registered"] else "staged" if stats["h2d_staged"] else "direct",
+            "pinned" if stats["d2h_pinned"] else "staged" if stats["d2h_staged"] else "direct")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_rendered_gpu_worker_copies_by_the_calibrated_profile_once_it_is_stored(tmp_path):
+    """The rendered GPU worker, a real `dask worker` with the chart's environment and its CuPy
+    the stand-in: before the calibration Job stored its profile (nothing at the mounted path) it
+    copies by the built-in rules and warns of nothing; once the profile appears there (as the
+    kubelet projects the ConfigMap's new key) it takes the path calibration measured best at
+    each size. (It copied by the built-in rules whatever the Job stored.)"""
+    from distributed import Client
+
+    from eugo_dask.profile import profile_dict
+
+    profile_dir = tmp_path / "etc-eugo"
+    profile_dir.mkdir()
+    values = {"calibration": {"enabled": True},
+              "workerGroups": [{"name": "cpu", "memoryLimit": "2GiB"},
+                               {"name": "gpu", "memoryLimit": "2GiB", "extraArgs": ["--preload", STAND_IN_CUPY],
+                                "gpu": {"type": "t4"}}]}
+    with launched(values, tmp_path, {"/etc/eugo": str(profile_dir)}) as (address, _), \
+            Client(address, timeout=30) as client:
+        client.wait_for_workers(2, timeout=60)
+
+        def copies(nbytes: int) -> tuple[bool, str, str]:
+            return client.submit(_copy_round_trip, nbytes, workers=["gpu-worker-0"], pure=False).result(timeout=60)
+
+        assert copies(32 * MiB) == (True, "staged", "staged")  # the built-in rules
+        (profile_dir / "calibrated.yaml").write_text(yaml.safe_dump(profile_dict(CALIBRATED)))
+        assert copies(32 * MiB) == (True, "registered", "pinned")
+        assert copies(2 * MiB) == (True, "staged", "staged")  # per size: the 2 MiB point stages
+        log = (tmp_path / "gpu-worker-0.log").read_text()  # (before the processes stop)
+    assert "cannot be read" not in log and "Traceback" not in log and "ERROR" not in log, log
 
 
 def _random(n: int):

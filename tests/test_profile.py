@@ -505,3 +505,99 @@ def test_a_profiles_tables_are_read_only_and_still_pickle():
     assert yaml.safe_load(yaml.safe_dump(mine))["cpu"]["matmul_s_per_flop"] == {
         "float64": {"matmul": 1e-12}}
     assert load_profile(spec).cpu.matmul_s_per_flop["float64"]["exp"] == 2e-9
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-size copy rates (link.copies_by_size)
+# ---------------------------------------------------------------------------------------------
+MiB = 1 << 20
+COPIES = {
+    "h2d": [{"bytes": MiB, "bytes_per_s": 4e9, "path": "direct"},
+            {"bytes": 16 * MiB, "bytes_per_s": 2e10, "path": "staged", "threads": 8,
+             "measured": {"staged-1": 9e9, "staged-8": 2e10, "registered": 1.5e10, "dma": 5e10}},
+            {"bytes": 256 * MiB, "bytes_per_s": 3e10, "path": "registered"}],
+    "d2h": [{"bytes": 16 * MiB, "bytes_per_s": 3.5e10, "path": "pinned"}],
+}
+
+
+def test_per_size_copy_rates_load_and_interpolate_in_log_size():
+    p = load_profile({"base": "h200", "cpu": "server-x86", "link": {"copies_by_size": COPIES}})
+    copies = p.link.copies_by_size
+    assert [(c.bytes, c.path, c.threads) for c in copies.h2d] == [
+        (MiB, "direct", None), (16 * MiB, "staged", 8), (256 * MiB, "registered", None)]
+    assert copies.h2d[1].measured["dma"] == 5e10
+    assert copies.bytes_per_s("h2d", 4 * MiB) == pytest.approx(1.2e10)  # half way in log size
+    assert copies.bytes_per_s("h2d", 64 * MiB) == pytest.approx(2.5e10)
+    assert copies.bytes_per_s("h2d", 1024) == 4e9 and copies.bytes_per_s("h2d", 1 << 40) == 3e10  # flat
+    assert copies.bytes_per_s("d2h", 1) == copies.bytes_per_s("d2h", 1 << 40) == 3.5e10
+    assert load_profile({"base": "h200", "cpu": "server-x86"}).link.copies_by_size is None
+    assert all(profile_dict(name)["link"].get("copies_by_size") is None for name in PRESETS)
+    # what calibration writes comes back as written; the profile still pickles and compares
+    import pickle
+
+    assert pickle.loads(pickle.dumps(p)) == p
+    assert p.to_dict()["link"]["copies_by_size"]["h2d"][1] == {**COPIES["h2d"][1]}
+    with pytest.raises(TypeError, match="read-only"):
+        copies.h2d[1].measured["dma"] = 1.0
+
+
+def _copies_with(direction, i, change, message):
+    """A profile whose point ``i`` that way has ``change`` (None: the field removed), and the
+    message that names it."""
+    table = json.loads(json.dumps(COPIES))
+    table[direction][i].update(change)
+    for key in [k for k, v in change.items() if v is None]:
+        del table[direction][i][key]
+    where = rf"link.copies_by_size.{direction}\[{i}\]"
+    return {"base": "h200", "link": {"copies_by_size": table}}, message.format(where=where)
+
+
+_STAGED = "must be a whole number from 1 to 64 for a staged copy"
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"base": "h200", "link": {"copies_by_size": [1]}},
+     r"eugo.profile: link.copies_by_size must be a mapping with fields \['d2h', 'h2d'\] \(either or both\); got \[1\]"),
+    ({"base": "h200", "link": {"copies_by_size": {"up": []}}},
+     r"link.copies_by_size has unknown field\(s\) \['up'\]; allowed: \['d2h', 'h2d'\]"),
+    ({"base": "h200", "link": {"copies_by_size": {"h2d": {"bytes": 1}}}},
+     r"link.copies_by_size.h2d must be a list of points \{bytes, bytes_per_s, path\[, threads\]\[, measured\]\}"),
+    *(_copies_with(*case) for case in [
+        ("h2d", 1, {"path": "pinned", "threads": None},
+         r"{where}.path must be one of \['direct', 'registered', 'staged'\]; got 'pinned'"),
+        ("d2h", 0, {"path": "registered"}, r"{where}.path must be one of \['direct', 'pinned', 'staged'\]; got 'registered'"),
+        ("h2d", 1, {"threads": None}, rf"{{where}}.threads {_STAGED}; got None"),
+        ("h2d", 1, {"threads": 65}, rf"{{where}}.threads {_STAGED}; got 65"),
+        ("h2d", 2, {"threads": 4}, r"{where}.threads is a staged copy's; path 'registered' has none; got 4"),
+        ("h2d", 1, {"bytes": MiB},
+         r"{where}.bytes must be larger than the point's before \(1048576\): sizes increase; got 1048576"),
+        ("h2d", 0, {"bytes": 0.5}, r"{where}.bytes must be a whole number >= 1; got 0.5"),
+        ("d2h", 0, {"bytes_per_s": 0}, r"{where}.bytes_per_s must be a positive number; got 0"),
+        ("d2h", 0, {"bytes_per_s": None}, r"'{where}.bytes_per_s' is missing"),
+        ("d2h", 0, {"speed": 1}, r"{where} has unknown field\(s\) \['speed'\]"),
+        ("h2d", 1, {"measured": {"dma": "fast"}}, r"{where}.measured.dma must be a finite number; got 'fast'"),
+        ("h2d", 1, {"measured": [1]}, r"{where}.measured must map path names to rates; got \[1\]"),
+    ]),
+])
+def test_bad_per_size_copies_name_the_field(spec, match):
+    with pytest.raises(ProfileError, match=match):
+        load_profile(spec)
+    with pytest.raises(ProfileError, match=match):  # as the runtime reads them, too
+        profile_mod.copies_by_size(spec)
+
+
+def test_per_size_copies_are_read_without_the_cpu_and_follow_the_file(tmp_path):
+    """What the runtime reads of a profile: its per-size copies, the CPU section neither read nor
+    measured (a profile without one is a worker's usual), the file read again once edited."""
+    path = tmp_path / "calibrated.yaml"
+    data = {**profile_dict("h200"), "link": {**profile_dict("h200")["link"], "copies_by_size": COPIES}}
+    path.write_text(yaml.safe_dump(data))
+    assert "cpu" not in data
+    assert profile_mod.copies_by_size(str(path)).h2d[2].path == "registered"
+    data["link"]["copies_by_size"] = {"h2d": [{"bytes": MiB, "bytes_per_s": 1e9, "path": "direct"}]}
+    path.write_text(yaml.safe_dump(data))
+    os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    again = profile_mod.copies_by_size(path)
+    assert [p.path for p in again.h2d] == ["direct"] and again.d2h == ()
+    assert profile_mod.copies_by_size("h200") is None
+    assert profile_mod.copies_by_size({"base": "h200"}) is None

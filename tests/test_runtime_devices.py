@@ -125,3 +125,113 @@ def test_a_malformed_device_setting_means_no_device_never_a_failed_task(key, val
         assert why_no_device("emulated") == f"invalid setting: {problem}"
         out = DeviceCall(np.add, "emulated", "add")(np.ones(2), 1)
         assert type(out) is np.ndarray and out.tolist() == [2.0, 2.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The copy path per size, from the process's profile
+# ---------------------------------------------------------------------------------------------
+MiB = 1 << 20
+#: a calibration's finding: staged on 2 threads at 2 MiB, registered and pinned from 16 MiB
+CALIBRATED = {"base": "h200", "link": {"copies_by_size": {
+    "h2d": [{"bytes": 2 * MiB, "bytes_per_s": 9e9, "path": "staged", "threads": 2},
+            {"bytes": 16 * MiB, "bytes_per_s": 3e10, "path": "registered"}],
+    "d2h": [{"bytes": 2 * MiB, "bytes_per_s": 8e9, "path": "staged", "threads": 2},
+            {"bytes": 16 * MiB, "bytes_per_s": 4e10, "path": "pinned"}]}}}
+
+
+@pytest.fixture
+def stand_in_cupy(monkeypatch):
+    """The runtime's CuPy device on the stand-in CuPy (tests/fake_cupy.py), made as a worker
+    makes it (get_device), on an 8-core machine; forgotten after."""
+    import os
+    import sys
+
+    from eugo_dask import runtime
+    from eugo_dask.devices import CupyDevice
+
+    from . import fake_cupy
+
+    module = fake_cupy.module(device_count=1)
+    for name, value in (("cupy", module), ("cupy.fft", module.fft), ("cupy.fft.config", module.fft.config)):
+        monkeypatch.setitem(sys.modules, name, value)
+    fake_cupy.reset()
+    monkeypatch.setattr(runtime, "cupy_device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "import_cupy", lambda: module)
+    monkeypatch.setattr(CupyDevice, "probe", lambda self: None)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    runtime._forget_cuda_devices()
+    yield fake_cupy
+    runtime._forget_cuda_devices()
+
+
+def _paths_taken(device, nbytes):
+    eugo_dask.reset_device_stats()
+    host = np.arange(nbytes // 8, dtype=np.float64)
+    np.testing.assert_array_equal(device.to_host(device.to_device(host)), host)
+    stats = device_stats()
+    return (("registered" if stats["h2d_registered"] else "staged" if stats["h2d_staged"] else "direct"),
+            ("pinned" if stats["d2h_pinned"] else "staged" if stats["d2h_staged"] else "direct"),
+            stats["staged_threads"])
+
+
+def test_the_runtime_copies_each_size_the_way_its_profile_measured_best(stand_in_cupy):
+    """With the copy keys at auto (the defaults), a worker's device takes, for each chunk size,
+    the path of the profile's nearest per-size point; with a preset (no such points) the
+    defaults: staged on 4 threads, pinned results from 64 MiB."""
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": CALIBRATED}):
+        device = get_device("cupy")
+        assert device.settings.per_size == {"threads", "h2d", "d2h"}
+        assert device.settings.h2d_by_size == ((2 * MiB, "staged", 2), (16 * MiB, "registered", None))
+        assert _paths_taken(device, 2 * MiB) == ("staged", "staged", {2: 2})
+        assert _paths_taken(device, 32 * MiB) == ("registered", "pinned", {})
+    assert not stand_in_cupy._registered and not stand_in_cupy.unpinned_copies
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": "h200"}):
+        preset = get_device("cupy")
+        assert preset.settings.h2d_by_size == preset.settings.d2h_by_size == ()
+        assert _paths_taken(preset, 32 * MiB) == ("staged", "staged", {4: 2})
+
+
+def test_explicit_copy_settings_win_over_the_profiles_per_size_paths(stand_in_cupy):
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": CALIBRATED,
+                          "eugo.register-in-place": None, "eugo.copy-threads": 3}):
+        device = get_device("cupy")
+        assert device.settings.per_size == {"d2h"}
+        # staged where the profile registers, on the configured 3 threads; still pinned back
+        assert _paths_taken(device, 32 * MiB) == ("staged", "pinned", {3: 1})
+        assert _paths_taken(device, 4 * MiB) == ("staged", "staged", {3: 2})
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": CALIBRATED,
+                          "eugo.pinned-results-min": "64 MiB", "eugo.register-in-place": "1 MiB"}):
+        device = get_device("cupy")
+        assert _paths_taken(device, 2 * MiB) == ("registered", "staged", {2: 1})
+        assert _paths_taken(device, 32 * MiB) == ("registered", "staged", {2: 1})
+
+
+def test_the_runtime_reads_its_profile_file_and_a_cluster_profile(stand_in_cupy, tmp_path):
+    """A calibrated profile as a file (eugo.profile), or as the scheduler's eugo.cluster-profile
+    where eugo.profile is auto (an in-process cluster shares it); a file that cannot be read
+    leaves the defaults, said once in the log, and never fails a copy."""
+    import yaml
+
+    from eugo_dask.config import device_settings
+    from eugo_dask.profile import profile_dict
+
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(yaml.safe_dump(profile_dict(CALIBRATED)))
+    with dask.config.set({"eugo.profile": str(path)}):
+        assert device_settings().d2h_by_size[-1] == (16 * MiB, "pinned", None)
+    with dask.config.set({"eugo.cluster-profile": [str(tmp_path / "not-yet.yaml"), str(path)]}):
+        assert device_settings().h2d_by_size[-1] == (16 * MiB, "registered", None)
+    assert device_settings().h2d_by_size == ()  # auto, no cluster profile: the defaults
+
+
+def test_an_unreadable_profile_leaves_the_default_copy_paths(stand_in_cupy, tmp_path, caplog):
+    from eugo_dask.config import device_settings
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("link: {copies_by_size: {h2d: [{bytes: 1, bytes_per_s: 1, path: pinned}]}}\n")
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": str(bad)}):
+        assert device_settings().h2d_by_size == ()
+        device = get_device("cupy")
+        assert device.unusable_reason is None
+        assert _paths_taken(device, 32 * MiB) == ("staged", "staged", {4: 2})
+    assert "cannot be read for its per-size copies" in caplog.text and "'gpu' is missing" in caplog.text

@@ -21,7 +21,9 @@ The family, one concern a module (each imports only modules listed before it):
 - :mod:`~eugo_dask.devices.accounting`: device bytes kept apart from host memory
   (:func:`device_nbytes`, :func:`install_device_accounting`).
 - :mod:`~eugo_dask.devices.copies`: the copy engine's host half (host memcpy split over
-  threads, result arrays from a bounded pool of pinned blocks), free of CuPy.
+  threads, result arrays from a bounded pool of pinned blocks) and the choice of a copy's path
+  by its size (:func:`choose_copy`, what calibration measures: :func:`copy_candidates`), free
+  of CuPy.
 - :mod:`~eugo_dask.devices.cuda`: the CuPy device, its staging buffers and the CuPy probe; the
   only module of eugo-dask that imports CuPy.
 - :mod:`~eugo_dask.devices.emulated`: the emulated device.
@@ -35,8 +37,9 @@ device's names from its module.
 """
 
 from eugo_dask.devices.accounting import DEVICE_ARRAY_TYPES, device_nbytes, install_device_accounting
-from eugo_dask.devices.base import DeferringLock, Device, DeviceDisabled, DeviceSettings, map_arrays
+from eugo_dask.devices.base import CopyRule, DeferringLock, Device, DeviceDisabled, DeviceSettings, map_arrays
 from eugo_dask.devices.clock import TaskClock
+from eugo_dask.devices.copies import CopyChoice, choose_copy, copy_candidates
 from eugo_dask.devices.cuda import (
     CupyDevice,
     cupy_device_attributes,
@@ -73,6 +76,8 @@ __all__ = [
     "RUNTIME",
     "STICKY",
     "UNAVAILABLE",
+    "CopyChoice",
+    "CopyRule",
     "CupyDevice",
     "DeferringLock",
     "Device",
@@ -80,6 +85,8 @@ __all__ = [
     "DeviceMetricsCollector",
     "DeviceSettings",
     "TaskClock",
+    "choose_copy",
+    "copy_candidates",
     "cupy_device_attributes",
     "cupy_device_count",
     "cupy_device_memory",

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 
+#: One size of a profile's per-size copy paths: (bytes, path, threads of a staged copy or None).
+CopyRule = tuple[int, str, int | None]
+
 
 @dataclass(frozen=True)
 class DeviceSettings:
@@ -87,6 +90,14 @@ class DeviceSettings:
         Which CUDA devices a process drives: ``"one"`` (its current device, the first it
         sees) or ``"all"`` it sees; always one under dask-cuda or RMM
         (:meth:`eugo_dask.devices.CupyDevice.ordinals`).
+    h2d_by_size, d2h_by_size
+        The profile's per-size copy paths (``link.copies_by_size``), ``(bytes, path,
+        threads)`` by increasing size, each the path that measured best at that size
+        (:func:`eugo_dask.devices.copies.choose_copy` takes the one nearest a copy's size).
+    per_size
+        Which copy choices those points make (``"threads"``, ``"h2d"``, ``"d2h"``): the ones
+        whose config keys (``eugo.copy-threads``, ``eugo.register-in-place``,
+        ``eugo.pinned-results-min``) are ``auto``; the others follow the fields above.
     """
 
     memory_fraction: float | None = None
@@ -100,6 +111,9 @@ class DeviceSettings:
     pinned_results_min_bytes: int = 64 * _MiB
     register_min_bytes: int | None = None
     gpus: str = "one"
+    h2d_by_size: tuple[CopyRule, ...] = ()
+    d2h_by_size: tuple[CopyRule, ...] = ()
+    per_size: frozenset[str] = frozenset()
 
 
 class DeviceDisabled(RuntimeError):

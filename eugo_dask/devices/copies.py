@@ -20,11 +20,11 @@ import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from eugo_dask.devices.base import DeferringLock
+from eugo_dask.devices.base import CopyRule, DeferringLock, DeviceSettings
 
 #: Pieces start on this boundary (a page), so no two threads write one page.
 PIECE_ALIGN = 4096
@@ -53,13 +53,15 @@ class HostCopier:
         self._pid = 0
         self._lock = threading.Lock()
 
-    def pieces(self, nbytes: int) -> int:
-        """How many threads copy ``nbytes``."""
-        return max(min(self.threads, nbytes // self.min_piece_bytes), 1)
+    def pieces(self, nbytes: int, threads: int | None = None) -> int:
+        """How many threads copy ``nbytes`` (at most ``threads``, and at most this copier's)."""
+        most = self.threads if threads is None else min(max(int(threads), 1), self.threads)
+        return max(min(most, nbytes // self.min_piece_bytes), 1)
 
-    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """``dst[:] = src`` for flat uint8 arrays of one size, split over threads."""
-        pieces = self.pieces(src.size)
+    def copy(self, dst: np.ndarray, src: np.ndarray, threads: int | None = None) -> None:
+        """``dst[:] = src`` for flat uint8 arrays of one size, split over at most ``threads``
+        threads (None: this copier's)."""
+        pieces = self.pieces(src.size, threads)
         if pieces <= 1:
             np.copyto(dst, src)
             return
@@ -82,6 +84,75 @@ class HostCopier:
                         self.threads - 1, thread_name_prefix="eugo-copy")
                     self._pid = pid
         return self._pool
+
+
+class CopyChoice(NamedTuple):
+    """The path a copy takes (``direct``, ``staged``, ``registered`` or ``pinned``) and, for a
+    staged one, the threads its host memcpy is split over."""
+
+    path: str
+    threads: int
+
+    @property
+    def name(self) -> str:
+        """``staged-4``, ``registered``, …: how calibration and the GPU check name it."""
+        return f"staged-{self.threads}" if self.path == "staged" else self.path
+
+
+def nearest_rule(rules: tuple[CopyRule, ...], nbytes: int) -> CopyRule | None:
+    """The rule measured nearest ``nbytes`` in log size (the larger of two as near), or None."""
+    if not rules:
+        return None
+    at = math.log2(max(nbytes, 1))
+    return min(reversed(rules), key=lambda rule: abs(math.log2(rule[0]) - at))
+
+
+def choose_copy(settings: DeviceSettings, direction: str, nbytes: int) -> CopyChoice:
+    """The path a copy of ``nbytes`` takes in ``direction`` (``h2d``/``d2h``) beyond the
+    runtime's fixed rules (small copies direct, a pinned result back in one DMA).
+
+    Where ``direction`` is in ``settings.per_size`` and the profile has points that way, the
+    path of the point nearest ``nbytes``; else the config's rule: to the device page-locked in
+    place from ``register_min_bytes`` (None: never), else staged; back into a pinned block from
+    ``pinned_results_min_bytes``, else staged. Never pinned where the pool's cap is 0. A staged
+    copy's threads: where ``"threads"`` is in ``per_size``, those of the nearest staged point
+    that way, else (and where there is none) ``copy_threads``."""
+    rules = settings.h2d_by_size if direction == "h2d" else settings.d2h_by_size
+    rule = nearest_rule(rules, nbytes) if direction in settings.per_size else None
+    if rule is not None:
+        path = rule[1]
+    elif direction == "h2d":
+        least = settings.register_min_bytes
+        path = "registered" if least is not None and nbytes >= least else "staged"
+    else:
+        path = "pinned" if nbytes >= settings.pinned_results_min_bytes else "staged"
+    if path == "pinned" and settings.pinned_results_bytes <= 0:
+        path = "staged"
+    threads = settings.copy_threads
+    if "threads" in settings.per_size:
+        staged = nearest_rule(tuple(r for r in rules if r[1] == "staged"), nbytes)
+        if staged is not None and staged[2]:
+            threads = staged[2]
+    return CopyChoice(path, threads)
+
+
+def copy_candidates(settings: DeviceSettings, direction: str, nbytes: int,
+                    cores: int) -> list[CopyChoice]:
+    """The copies the runtime could take for ``nbytes`` in ``direction`` with ``settings``
+    (no per-size points yet): what calibration measures to choose from. Where the direction is
+    per size, every path (direct, staged, and registered to the device or pinned back where the
+    pool's cap allows), else the config's path; staged on 1, 2, 4 and 8 threads (at most
+    ``cores``) where the threads are per size, else on ``copy_threads``."""
+    if direction in settings.per_size:
+        extra = "registered" if direction == "h2d" else "pinned"
+        paths = ["direct", "staged"] + ([extra] if extra == "registered" or settings.pinned_results_bytes > 0 else [])
+    else:
+        paths = [choose_copy(settings, direction, nbytes).path]
+    if "threads" in settings.per_size:
+        threads = sorted({min(n, max(cores, 1)) for n in (1, 2, 4, 8)})
+    else:
+        threads = [settings.copy_threads]
+    return [CopyChoice(path, n) for path in paths for n in (threads if path == "staged" else [1])]
 
 
 def _size_class(nbytes: int) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 
 from eugo_dask.devices.accounting import HOST_CACHES
 from eugo_dask.devices.base import DeferringLock, Device, DeviceSettings, _MiB
-from eugo_dask.devices.copies import HostCopier, ResultPool
+from eugo_dask.devices.copies import CopyChoice, HostCopier, ResultPool, choose_copy
 from eugo_dask.devices.errors import (
     CTK_HINT,
     OUT_OF_MEMORY,
@@ -102,10 +102,12 @@ class CupyDevice(Device):
         self._staging_lock = DeferringLock()  # a thread's buffers are forgotten by a finalizer
         self._staging_total = 0
         # never more copy threads than the machine has cores
-        self._copier = HostCopier(min(settings.copy_threads, os.cpu_count() or 1),
-                                  settings.copy_piece_bytes)
+        most = max([settings.copy_threads] + [rule[2] or 1 for rule in settings.h2d_by_size + settings.d2h_by_size])
+        self._copier = HostCopier(min(most, os.cpu_count() or 1), settings.copy_piece_bytes)
+        # which results get a block is choose_copy's (per size where the profile says)
         self._results = ResultPool(self._pinned_block, settings.pinned_results_bytes,
-                                   min_bytes=settings.pinned_results_min_bytes)
+                                   min_bytes=0 if "d2h" in settings.per_size and settings.d2h_by_size
+                                   else settings.pinned_results_min_bytes)
         HOST_CACHES.add(self._results)  # its free blocks go back first when distributed spills
         super().__init__(settings)  # last: the device is visible to metrics from here on
 
@@ -196,13 +198,13 @@ class CupyDevice(Device):
         return pinned.PinnedMemoryPointer(
             pinned.PinnedMemory(nbytes, self.cupy.cuda.runtime.hostAllocPortable), 0)
 
-    def _host_result(self, shape: tuple[int, ...], dtype: Any, order: Literal["C", "F"]) -> np.ndarray:
-        """The host array a copy back lands in: for a staged copy, a pinned block from the
-        result pool (the device copies straight into it) where it has room and pinned memory
-        can be had, else a new array."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    def _host_result(self, shape: tuple[int, ...], dtype: Any, order: Literal["C", "F"],
+                     choice: CopyChoice) -> np.ndarray:
+        """The host array a copy back lands in: where ``choice`` is a pinned result, a pinned
+        block from the result pool (the device copies straight into it) where it has room and
+        pinned memory can be had, else a new array."""
         out = None
-        if nbytes > self.direct_copy_bytes and self.settings.staging_bytes > 0:
+        if choice.path == "pinned":
             try:
                 out = self._results.empty(shape, dtype, order)
             except Exception as exc:  # no pinned memory left: stage into a new array
@@ -268,27 +270,38 @@ class CupyDevice(Device):
             self._h2d(_host_bytes(array), out.data, stream, register=contiguous)
         return out
 
+    def _copy_choice(self, direction: str, nbytes: int) -> CopyChoice:
+        """The path a copy of ``nbytes`` takes (:func:`~eugo_dask.devices.copies.choose_copy`):
+        straight where small or staging is off, else per size from the profile or as the
+        config says."""
+        if nbytes <= self.direct_copy_bytes or self.settings.staging_bytes <= 0:
+            return CopyChoice("direct", 1)
+        return choose_copy(self.settings, direction, nbytes)
+
     def _h2d(self, src: np.ndarray, dst: Any, stream: Any, *, register: bool = True) -> None:
-        """``src`` to device memory ``dst``: straight where small, one DMA where it is pinned
-        (a result pool block) or, where ``register`` and it is large enough, page-locked in
-        place; else through the staging buffers (a strided chunk made contiguous is one: its
-        new pages are touched once by the gather, staged from there)."""
+        """``src`` to device memory ``dst``: one DMA where it is pinned (a result pool block);
+        else as :meth:`_copy_choice` says: straight, page-locked in place (where ``register``:
+        contiguous), or through the staging buffers (a strided chunk made contiguous is one:
+        its new pages are touched once by the gather, staged from there)."""
         nbytes, chunk = src.size, self.settings.staging_bytes
-        if nbytes <= self.direct_copy_bytes or chunk <= 0:
+        choice = self._copy_choice("h2d", nbytes)
+        if choice.path == "direct":
             dst.copy_from_host_async(src.ctypes.data, nbytes, stream)
             return
         if self._results.owns(src):  # a pinned result going back: one DMA, no staging
             self._pinned_dma(src, dst, stream)
             return
-        if register and self._register_pays(nbytes) and self._h2d_registered(src, dst, stream):
+        if register and choice.path == "registered" and self._h2d_registered(src, dst, stream):
             return
         staging = self._staging()
+        threads = self._copier.pieces(min(nbytes, chunk), choice.threads)
         for i, offset in enumerate(range(0, nbytes, chunk)):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)  # the previous copy out of this buffer has finished
-            self._copier.copy(staging.views[slot][:size], src[offset:offset + size])
+            self._copier.copy(staging.views[slot][:size], src[offset:offset + size], threads)
             (dst + offset).copy_from_host_async(staging.memory[slot].ptr, size, stream)
             staging.events[slot] = stream.record()
+        _stats.add_staged("h2d", threads)
 
     def _pinned_dma(self, src: np.ndarray, dst: Any, stream: Any) -> None:
         """One DMA from pinned host memory, waited for: the source may be gone (its pages
@@ -297,12 +310,6 @@ class CupyDevice(Device):
         task queued before it)."""
         dst.copy_from_host_async(src.ctypes.data, src.size, stream)
         stream.synchronize()
-
-    def _register_pays(self, nbytes: int) -> bool:
-        """Whether a contiguous host chunk of ``nbytes`` is page-locked in place
-        (``eugo.register-in-place``)."""
-        least = self.settings.register_min_bytes
-        return least is not None and nbytes >= least
 
     def _h2d_registered(self, src: np.ndarray, dst: Any, stream: Any) -> bool:
         """``src`` page-locked in place (``cudaHostRegister``), one DMA, unregistered once the
@@ -337,20 +344,22 @@ class CupyDevice(Device):
                 array = cupy.ascontiguousarray(array)
             order: Literal["C", "F"] = (
                 "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C")
-            out = self._host_result(array.shape, array.dtype, order)
-            self._d2h(array.data, _host_bytes(out), stream)
+            choice = self._copy_choice("d2h", int(array.nbytes))
+            out = self._host_result(array.shape, array.dtype, order, choice)
+            self._d2h(array.data, _host_bytes(out), stream, choice)
         return out
 
-    def _d2h(self, src: Any, dst: np.ndarray, stream: Any) -> None:
+    def _d2h(self, src: Any, dst: np.ndarray, stream: Any, choice: CopyChoice) -> None:
         nbytes, chunk = dst.size, self.settings.staging_bytes
         pinned = self._results.owns(dst)
-        if nbytes <= self.direct_copy_bytes or chunk <= 0 or pinned:
-            # pageable (small, or no staging) or pinned (a pool block): one DMA
+        if choice.path == "direct" or pinned:
+            # pageable (small, no staging, or measured best so) or pinned (a pool block): one DMA
             src.copy_to_host_async(dst.ctypes.data, nbytes, stream)
             stream.synchronize()
             _stats.add(d2h_pinned=int(pinned))
             return
         staging = self._staging()
+        threads = self._copier.pieces(min(nbytes, chunk), choice.threads)
         offsets = list(range(0, nbytes, chunk))
 
         def issue(i: int) -> None:
@@ -365,9 +374,10 @@ class CupyDevice(Device):
         for i, offset in enumerate(offsets):
             slot, size = i % 2, min(chunk, nbytes - offset)
             staging.wait(slot)
-            self._copier.copy(dst[offset:offset + size], staging.views[slot][:size])
+            self._copier.copy(dst[offset:offset + size], staging.views[slot][:size], threads)
             if i + 2 < len(offsets):
                 issue(i + 2)
+        _stats.add_staged("d2h", threads)
 
     def _move(self, array: Any, ordinal: int) -> Any:
         cupy = self.cupy

@@ -17,7 +17,7 @@ class _Stats:
     _FIELDS = ("tasks", "h2d_count", "h2d_bytes", "d2h_count", "d2h_bytes", "d2d_count",
                "d2d_bytes", "device_seconds", "launch_seconds", "memory_releases",
                "released_bytes", "h2d_registered", "h2d_register_refused", "d2h_pinned",
-               "pinned_released_bytes")
+               "pinned_released_bytes", "h2d_staged", "d2h_staged")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -30,11 +30,19 @@ class _Stats:
             self.fallbacks: Counter[str] = Counter()
             self.errors: Counter[str] = Counter()
             self.disabled: dict[str, str] = {}
+            self.staged_threads: Counter[int] = Counter()
 
     def add(self, **increments: float) -> None:
         with self._lock:
             for name, value in increments.items():
                 setattr(self, name, getattr(self, name) + value)
+
+    def add_staged(self, direction: str, threads: int) -> None:
+        """A copy through the staging buffers (``direction``: h2d or d2h), its host memcpy
+        split over ``threads`` threads."""
+        with self._lock:
+            setattr(self, f"{direction}_staged", getattr(self, f"{direction}_staged") + 1)
+            self.staged_threads[threads] += 1
 
     def add_fallback(self, reason: str) -> None:
         with self._lock:
@@ -48,7 +56,8 @@ class _Stats:
         with self._lock:
             out: dict[str, Any] = {name: getattr(self, name) for name in self._FIELDS}
             out.update(fallbacks=sum(self.fallbacks.values()), fallback_reasons=dict(self.fallbacks),
-                       device_errors=dict(self.errors), disabled=dict(self.disabled))
+                       device_errors=dict(self.errors), disabled=dict(self.disabled),
+                       staged_threads=dict(self.staged_threads))
             return out
 
 
@@ -66,7 +75,9 @@ def device_stats() -> dict[str, Any]:
         device->host and between devices), ``h2d_registered`` (copies to the device from host
         chunks page-locked in place) and ``h2d_register_refused`` (registrations CUDA refused:
         those copies were staged), ``d2h_pinned`` (results copied back straight into pinned
-        blocks of the result pool), ``pinned_released_bytes`` (free pinned result blocks given
+        blocks of the result pool), ``h2d_staged``/``d2h_staged`` (copies through the pinned
+        staging buffers) and ``staged_threads`` (those copies by the threads their host memcpy
+        was split over), ``pinned_released_bytes`` (free pinned result blocks given
         back to the host while distributed spilled), ``device_seconds`` (synchronised device time of
         task scopes) and ``launch_seconds`` (their host time until the last launch),
         ``fallbacks`` (GPU-planned tasks that ran their CPU path) and ``fallback_reasons``,

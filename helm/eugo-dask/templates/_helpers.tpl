@@ -45,6 +45,33 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- include "eugo-dask.name" (dict "root" . "suffix" "eugo-profile") -}}
 {{- end -}}
 
+{{/* Where pods mount the profile ConfigMap (read-only), and the calibrated profile's path there. */}}
+{{- define "eugo-dask.profileMount" -}}
+{{- toJson (dict "name" "profile" "mountPath" "/etc/eugo" "readOnly" true) -}}
+{{- end -}}
+
+{{- define "eugo-dask.calibratedProfile" -}}
+{{- printf "%s/calibrated.yaml" (include "eugo-dask.profileMount" . | fromJson).mountPath -}}
+{{- end -}}
+
+{{/* eugo.cluster-profile as the chart sets it, a JSON list ("[]": unset): the profile the
+     scheduler plans with for clients that leave eugo.profile at auto, and the one the first GPU
+     group's workers copy by (link.copies_by_size). The first usable entry wins, a path once
+     the file exists: eugo.profile unless auto, else (with calibration.enabled) the calibrated
+     profile; then the first GPU group's preset. */}}
+{{- define "eugo-dask.clusterProfile" -}}
+{{- $profiles := list }}
+{{- if ne .Values.eugo.profile "auto" }}
+{{- $profiles = append $profiles .Values.eugo.profile }}
+{{- else if .Values.calibration.enabled }}
+{{- $profiles = append $profiles (include "eugo-dask.calibratedProfile" .) }}
+{{- end }}
+{{- with (include "eugo-dask.firstGpuGroup" . | fromJson).gpu }}
+{{- $profiles = append $profiles .type }}
+{{- end }}
+{{- toJson $profiles -}}
+{{- end -}}
+
 {{- define "eugo-dask.schedulerAddress" -}}
 {{- printf "%s://%s:%v" (ternary "tls" "tcp" .Values.tls.enabled) (include "eugo-dask.name" (dict "root" . "suffix" "scheduler")) .Values.scheduler.port -}}
 {{- end -}}
