@@ -25,12 +25,20 @@ def _deserialize(header, frames):
     return array
 
 
-def dask_setup(worker):
+def install(set_module=sys.modules.__setitem__, set_attribute=setattr):
+    """Make the stand-in this process's CuPy, with one device, for eugo's runtime: the modules
+    through ``set_module(name, module)`` and the runtime's probes through ``set_attribute(owner,
+    name, value)`` (a test's ``monkeypatch`` undoes them after). Returns the stand-in module."""
     module = fake_cupy.module(device_count=1)
     for name, value in (("cupy", module), ("cupy.fft", module.fft), ("cupy.fft.config", module.fft.config)):
-        sys.modules[name] = value
+        set_module(name, value)
+    set_attribute(runtime, "cupy_device_count", lambda: 1)
+    set_attribute(runtime, "import_cupy", lambda: module)
+    set_attribute(CupyDevice, "probe", lambda self: None)
+    return module
+
+
+def dask_setup(worker):
+    install()
     dask_serialize.register(fake_cupy.ndarray)(_serialize)
     dask_deserialize.register(fake_cupy.ndarray)(_deserialize)
-    runtime.cupy_device_count = lambda: 1
-    runtime.import_cupy = lambda: module
-    CupyDevice.probe = lambda self: None

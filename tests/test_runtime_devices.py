@@ -147,17 +147,12 @@ def stand_in_cupy(monkeypatch):
     import sys
 
     from eugo_dask import runtime
-    from eugo_dask.devices import CupyDevice
 
-    from . import fake_cupy
+    from . import fake_cupy, stand_in_cupy
 
-    module = fake_cupy.module(device_count=1)
-    for name, value in (("cupy", module), ("cupy.fft", module.fft), ("cupy.fft.config", module.fft.config)):
-        monkeypatch.setitem(sys.modules, name, value)
+    stand_in_cupy.install(lambda name, module: monkeypatch.setitem(sys.modules, name, module),
+                          monkeypatch.setattr)
     fake_cupy.reset()
-    monkeypatch.setattr(runtime, "cupy_device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "import_cupy", lambda: module)
-    monkeypatch.setattr(CupyDevice, "probe", lambda self: None)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     runtime._forget_cuda_devices()
     yield fake_cupy
