@@ -240,7 +240,8 @@ class ResultPool:
         self._free[size].append(block)
 
     def clear(self) -> int:
-        """Drop the free blocks (an idle or out-of-memory release); the bytes dropped."""
+        """Drop the free blocks (calibration gives back what its measurements held); the bytes
+        dropped."""
         with self._lock:
             dropped = sum(size * len(blocks) for size, blocks in self._free.items())
             self._free.clear()
