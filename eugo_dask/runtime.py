@@ -122,6 +122,11 @@ def get_device(name: str) -> Device | None:
                     reason = cupy_device.probe()  # every GPU of the process, once
                     if reason is not None:
                         cupy_device.disable(reason)
+                    # one CuPy device per process: the one made under settings that changed
+                    # since (a calibrated profile appearing) goes, with its threads' pinned
+                    # staging buffers, once the tasks that hold it end
+                    for old in [k for k in _devices if k[0] == "cupy"]:
+                        del _devices[old]
                     _devices[key] = cupy_device
                 else:
                     return None

@@ -230,3 +230,27 @@ def test_an_unreadable_profile_leaves_the_default_copy_paths(stand_in_cupy, tmp_
         assert device.unusable_reason is None
         assert _paths_taken(device, 32 * MiB) == ("staged", "staged", {4: 2})
     assert "cannot be read for its per-size copies" in caplog.text and "'gpu' is missing" in caplog.text
+
+
+def test_a_device_made_under_settings_that_changed_goes_with_its_pinned_buffers(stand_in_cupy):
+    """A process keeps one CuPy device: where its settings change (a worker's calibrated
+    profile appears), the device made under the old ones is dropped, and once nothing holds
+    it its threads' pinned staging buffers go with it (they stayed, 2 x eugo.staging-buffer a
+    thread, while the process lived)."""
+    import gc
+    import weakref
+
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": "h200"}):
+        old = get_device("cupy")
+        _paths_taken(old, 4 * MiB)  # staged: this thread's two pinned buffers made
+        staging = weakref.ref(old._staging())
+        gone = weakref.ref(old)
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": CALIBRATED}):
+        new = get_device("cupy")
+        assert new is not old
+        assert get_device("cupy") is new
+    with dask.config.set({"eugo.device": "cupy", "eugo.profile": "h200"}):
+        assert get_device("cupy") is not old  # made again, not the dropped one
+    del old
+    gc.collect()
+    assert gone() is None and staging() is None

@@ -79,6 +79,14 @@ def _host_bytes(array: np.ndarray) -> np.ndarray:
                          else "C").view(np.uint8)
 
 
+def _forget_staging(device: weakref.ref[CupyDevice], nbytes: int) -> None:
+    """A thread's staging buffers are gone: its device (where still alive) forgets their bytes,
+    under its staging lock (:class:`DeferringLock`)."""
+    alive = device()
+    if alive is not None:
+        alive._staging_lock.defer(alive._forget_staging, nbytes)
+
+
 class CupyDevice(Device):
     """CUDA devices through CuPy: the process's current device, or every device it sees where
     ``gpus`` is ``"all"`` and no dask-cuda or RMM set the process up (:attr:`ordinals`)."""
@@ -188,7 +196,9 @@ class CupyDevice(Device):
             staging = self._local.staging = _Staging(self.cupy, self.settings.staging_bytes)
             with self._staging_lock:
                 self._staging_total += 2 * self.settings.staging_bytes
-            weakref.finalize(staging, self._staging_lock.defer, self._forget_staging,
+            # (the device held weakly: a live thread's buffers must not keep a device the
+            # runtime dropped alive, nor with it those buffers)
+            weakref.finalize(staging, _forget_staging, weakref.ref(self),
                              2 * self.settings.staging_bytes)
         return staging
 
