@@ -253,3 +253,32 @@ def test_masked_and_sparse_chunks_are_planned_on_the_cpu(expressions):
     for name, case in out.items():
         assert case == {"same": True, "planned on the device": 0, "device tasks": 0,
                         "fallbacks": 0}, (name, case)
+
+
+_GRAPH_ERROR_CODE = """
+import json, dask, numpy as np, eugo_dask, dask.array as da
+from eugo_dask.testing import emulated_settings
+
+x = da.from_array(np.ones((64, 48)), chunks=16)
+# a function that fails on Dask's empty stand-in (its first element) and a dtype given as a
+# Python type: Dask's expressions raise AttributeError while making the graph
+y = (x * 2).map_blocks(lambda b: b / b[0, 0], dtype=float)
+out = {}
+for name, settings in {"plain": {"optimizations": []}, "eugo": emulated_settings()}.items():
+    with dask.config.set(settings):
+        try:
+            y.compute(scheduler="sync")
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e), repr(e.__context__)]
+print(json.dumps(out))
+"""
+
+
+def test_an_error_raised_while_the_graph_is_made_reaches_the_caller_unchanged():
+    # eugo's planned expression made its graph in a property: an AttributeError there sent
+    # Python to Expr.__getattr__, which made the graph a second time and raised an
+    # AttributeError of its own ("... This often means that you are attempting to use an
+    # unsupported API function..") with Dask's as its context
+    out = json.loads(_child(["-c", _GRAPH_ERROR_CODE], expressions=True, timeout=300))
+    assert out["plain"][0] == "AttributeError" and out["plain"][2] == "None", out
+    assert out["eugo"] == out["plain"]
