@@ -58,6 +58,10 @@ def dask_is_tested() -> bool:
     return ".".join(dask.__version__.split(".")[:2]) in TESTED_DASK
 
 
+#: Where a :class:`PlannedExpr` keeps its graph.
+_PLANNED = "_eugo_planned_graph"
+
+
 class PlannedExpr(Expr):
     """An optimized expression whose graph is the ``optimizations`` list's output over the
     child's graph (``expr``), run by ``optimizer`` (the bridge, or what it froze on the client)
@@ -78,16 +82,22 @@ class PlannedExpr(Expr):
     def __dask_keys__(self) -> Any:
         return self.operand("expr").__dask_keys__()
 
-    @functools.cached_property
     def _planned(self) -> Any:
-        child = self.operand("expr")
-        keys = child.__dask_keys__()
-        chunk_info = ChunkInfo.from_expression(child)
-        return self.operand("optimizer").run_passes(culled(child.__dask_graph__(), keys), keys,
-                                                     chunk_info)
+        """The passes' graph, made once (kept in the instance, never pickled with it).
+
+        A method, not a property: an ``AttributeError`` raised while the child's graph is made
+        (Dask's own, or a user's) would send Python to ``Expr.__getattr__``, which makes the
+        graph again and re-raises the error with a text of its own and the first as context."""
+        if _PLANNED not in self.__dict__:
+            child = self.operand("expr")
+            keys = child.__dask_keys__()
+            chunk_info = ChunkInfo.from_expression(child)
+            self.__dict__[_PLANNED] = self.operand("optimizer").run_passes(
+                culled(child.__dask_graph__(), keys), keys, chunk_info)
+        return self.__dict__[_PLANNED]
 
     def __dask_graph__(self) -> dict[Key, Any]:
-        return ensure_dict(self._planned)
+        return ensure_dict(self._planned())
 
     _layer = __dask_graph__
 
@@ -97,7 +107,7 @@ class PlannedExpr(Expr):
         by_type: defaultdict[str, dict[Key, Any]] = defaultdict(dict)
         for kind, values in self.operand("expr").__dask_annotations__().items():
             by_type[kind].update(values)
-        planned = self._planned
+        planned = self._planned()
         if isinstance(planned, HighLevelGraph):
             for layer in planned.layers.values():
                 for kind, value in (layer.annotations or {}).items():

@@ -75,13 +75,45 @@ def read_slots(scheduler: Any) -> int:
                for ws in list(scheduler.workers.values()))
 
 
-def tell_scheduler(scheduler: Any, topic: str, warning: str, *, client: bool) -> None:
-    """Log a warning and hand it to the scheduler's event log under ``topic`` (the eugo plugin
-    shows it), from the thread Dask materializes graphs in; with ``client``, to the clients too
-    (distributed's "warn" topic, which ``worker.warn`` uses: a client shows it as a
-    ``RuntimeWarning``)."""
-    logger.warning(warning)
-    scheduler.loop.add_callback(scheduler.log_event, topic, {"warning": warning})
+def client_here(scheduler: Any) -> bool:
+    """Whether a running distributed client of this process is connected to ``scheduler``
+    (a ``LocalCluster``'s: the scheduler runs in its client's process)."""
+    module = sys.modules.get("distributed.client")
+    if module is None:
+        return False
+    address = getattr(scheduler, "address", None)
+    for client in list(module.Client._instances):
+        try:
+            if getattr(client, "status", None) != "running":
+                continue
+            cluster = getattr(client, "cluster", None)
+            if (getattr(cluster, "scheduler", None) is scheduler
+                    or (address is not None and client.scheduler.address == address)):
+                return True
+        except Exception:  # (a client closing meanwhile)
+            continue
+    return False
+
+
+#: What an event of :func:`tell_scheduler` carries where a client of the scheduler's own process
+#: shows its warning: the plugin that keeps it logs it at DEBUG.
+SHOWN_HERE = "shown-to-a-client-here"
+
+
+def tell_scheduler(scheduler: Any, topic: str, warning: str, *, client: bool,
+                   logged_by_plugin: bool = False) -> None:
+    """Log a warning and hand it to the scheduler's event log under ``topic``, from the thread
+    Dask materializes graphs in; with ``client``, to the clients too (distributed's "warn"
+    topic, which ``worker.warn`` uses: a client shows it as a ``RuntimeWarning``).
+
+    Said once in each process: with ``logged_by_plugin`` the plugin receiving ``topic`` logs
+    it (eugo's, escaped) and this does not; where a client of this process shows the warning
+    (a ``LocalCluster``'s scheduler runs in its client's process), the log line is at DEBUG."""
+    shown_here = client and client_here(scheduler)
+    if not logged_by_plugin:
+        logger.log(logging.DEBUG if shown_here else logging.WARNING, warning)
+    event = {"warning": warning, **({SHOWN_HERE: "yes"} if shown_here else {})}
+    scheduler.loop.add_callback(scheduler.log_event, topic, event)
     if client:
         scheduler.loop.add_callback(scheduler.log_event, "warn", {
             "message": pickle.dumps(warning), "category": pickle.dumps(RuntimeWarning)})

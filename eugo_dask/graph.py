@@ -63,6 +63,13 @@ def key_name(key: Key) -> Any:
 #: Chunk types (``collection_annotations["chunk_type"]``) a device array can stand in for.
 _PLAIN_CHUNK_TYPES = frozenset({"numpy.ndarray", "cupy.ndarray", "cupy._core.core.ndarray"})
 
+
+def _note_chunk_type(chunk_types: dict[str, str], name: str, chunk_type: Any) -> None:
+    """Keep layer ``name``'s chunk type in ``chunk_types`` where it is not a plain array."""
+    if isinstance(chunk_type, str) and chunk_type not in _PLAIN_CHUNK_TYPES:
+        chunk_types[name] = chunk_type
+
+
 class ChunkInfo:
     """Chunk shape and dtype per key, read from a HighLevelGraph's array layers before Dask's
     optimization drops them (``layer.collection_annotations``)."""
@@ -77,7 +84,8 @@ class ChunkInfo:
 
     @classmethod
     def from_graph(cls, graph: Any) -> ChunkInfo:
-        layers, chunk_types = {}, {}
+        layers = {}
+        chunk_types: dict[str, str] = {}
         for name, layer in getattr(graph, "layers", {}).items():
             annotations = getattr(layer, "collection_annotations", None) or {}
             chunks, dtype = annotations.get("chunks"), annotations.get("dtype")
@@ -86,22 +94,27 @@ class ChunkInfo:
                     layers[name] = (tuple(tuple(c) for c in chunks), np.dtype(dtype))
                 except TypeError:
                     continue
-                chunk_type = annotations.get("chunk_type")
-                if isinstance(chunk_type, str) and chunk_type not in _PLAIN_CHUNK_TYPES:
-                    chunk_types[name] = chunk_type
+                _note_chunk_type(chunk_types, name, annotations.get("chunk_type"))
         return cls(layers, chunk_types)
 
     @classmethod
     def from_expression(cls, expr: Any) -> ChunkInfo:
         """Chunk specs of an array expression's layers (``array.query-planning: True``), read
-        from its lowered nodes (their ``_name``, ``chunks`` and ``dtype``)."""
-        layers = {}
+        from its lowered nodes (their ``_name``, ``chunks`` and ``dtype``, and the type of
+        their ``_meta``: what legacy mode's ``chunk_type`` annotation says)."""
+        from dask.utils import typename
+
+        layers: dict[str, tuple[tuple[tuple[float, ...], ...], np.dtype[Any]]] = {}
+        chunk_types: dict[str, str] = {}
         for node in expr.lower_completely().walk():
             try:
                 layers[node._name] = (tuple(tuple(c) for c in node.chunks), np.dtype(node.dtype))
+                meta = node._meta
             except (AttributeError, TypeError, NotImplementedError, ValueError):
                 continue
-        return cls(layers)
+            if not isinstance(meta, np.generic):  # (a 0-d reduction's: a NumPy scalar)
+                _note_chunk_type(chunk_types, node._name, typename(type(meta)))
+        return cls(layers, chunk_types)
 
     def merge(self, other: ChunkInfo) -> ChunkInfo:
         return ChunkInfo({**self._layers, **other._layers},

@@ -91,10 +91,12 @@ def _current_settings() -> Settings:
             # a cluster without GPU workers is no mistake (unsupported work stays on the CPU
             # silently); workers that advertise other resources suggest a misspelt one, which
             # the client hears of too
+            # (eugo's plugin, where the scheduler has it, keeps the warning and logs it)
             tell_scheduler(scheduler, EVENT_TOPIC, (
                 f"eugo: no worker advertises the resource {frozen.resource!r} (workers "
                 f"advertise: {advertised or 'none'}); this graph runs unchanged on the CPU"),
-                client=bool(advertised))
+                client=bool(advertised),
+                logged_by_plugin=scheduler_plugin(scheduler, "eugo") is not None)
         return Settings(**{**frozen.to_dict(), "device": "none"})
     return frozen.resolved(gpu_workers=True)
 

@@ -65,6 +65,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
 from eugo_dask.config import check_keys, gpu_workers_on_demand, read_resource
+from eugo_dask.context import SHOWN_HERE
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.dispatch import CPU_UNIT, GPU_UNIT, Ledger, UnitKind
 from eugo_dask.history import observe, save_all
@@ -414,11 +415,11 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                    f"{self.resource!r} meets the restrictions the user gave them "
                    f"({', '.join(given)[:200]}); they run their CPU path where those allow")
 
-    def _warn(self, message: str) -> None:
+    def _warn(self, message: str, *, level: int = logging.WARNING) -> None:
         """Keep and log ``message``, escaped: it may hold text of a client's or a worker's."""
         message = _escaped(message)
         self.warnings.append(message[:MAX_EVENT_TEXT])
-        logger.warning(message)
+        logger.log(level, message)
 
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         self._guard("add_worker", self._worker_joined, scheduler, worker)
@@ -583,8 +584,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     prefixes.add(text.get("prefix", "?"))
             _task_logger.debug("fallback in %s: %s", _escaped(text.get("prefix", "?")),
                                _escaped(reason))
-        elif "warning" in text:
-            self._warn(text["warning"])
+        elif "warning" in text:  # (the pass's, through tell_scheduler; or anyone's)
+            self._warn(text["warning"],
+                       level=logging.DEBUG if SHOWN_HERE in text else logging.WARNING)
 
     def _worker_reported(self, worker: str, report: Any) -> None:
         """What ``worker`` says of itself at start (:class:`~eugo_dask.worker.EugoWorkerPlugin`):

@@ -82,7 +82,8 @@ logger = logging.getLogger(__name__)
 _task_logger = logging.getLogger(__name__ + ".tasks")
 
 _state = threading.local()
-_logged_prefixes: set[str] = set()
+_logged_prefixes: set[str] = set()  # prefixes whose first fallback was logged
+_own_error_prefixes: set[str] = set()  # prefixes whose first own error was logged
 
 #: Topic of the events GPU tasks send to the scheduler (fallbacks), read by the plugin.
 EVENT_TOPIC = "eugo"
@@ -728,8 +729,9 @@ class DeviceCall:
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         if self.cpu_only:  # re-routed by the scheduler: the CPU path is the plan now
+            result = self._cpu_path(args, kwargs)
             _ran(RAN_ON_CPU, self.prefix)
-            return self._cpu_path(args, kwargs)
+            return result
         device = usable_device(self.device_name)
         if device is None:
             return self._fall_back("no-device", why_no_device(self.device_name), args, kwargs)
@@ -737,6 +739,7 @@ class DeviceCall:
         if host_only is not None:
             return self._fall_back("host-chunk", host_only, args, kwargs)
         ordinal = device.select((args, kwargs))  # where most of the inputs already are
+        failed: Exception | None = None
         try:
             # the scope makes the device current, runs on its thread's stream and waits for the
             # work at its end: a fault raises here, and the clock holds device time
@@ -749,11 +752,16 @@ class DeviceCall:
                 _check_no_0d(result, device)
                 clock.mark("eugo-device-compute")
         except Exception as exc:
-            kind = device.note_error(exc)  # counted; a sticky error turns the device off here
+            failed = exc
+        if failed is not None:
+            # (outside the except clause: an error of the CPU path is raised as plain Dask
+            # raises it, not chained to the device's)
+            kind = device.note_error(failed)  # counted; a sticky error turns the device off
             if kind is None:
-                return self._fall_back("unsupported", type(exc).__name__, args, kwargs, exc)
+                return self._fall_back("unsupported", type(failed).__name__, args, kwargs,
+                                       failed)
             # the original arguments: host arrays as they came, device arrays of earlier tasks
-            return self._fall_back("device-error", type(exc).__name__, args, kwargs, exc,
+            return self._fall_back("device-error", type(failed).__name__, args, kwargs, failed,
                                    kind=kind)
         meter = context_meter()
         for label, seconds in clock.seconds.items():
@@ -773,6 +781,15 @@ class DeviceCall:
                    exc: Exception | None = None, *, kind: str | None = None) -> Any:
         words = _REASON_WORDS[category] if kind is None else f"{_REASON_WORDS[category]} ({kind})"
         reason = f"{words}: {detail}"
+        # (the copies back first: a failure there is the device's, not the task's own)
+        args, kwargs = map_arrays(args, _to_host), map_arrays(kwargs, _to_host)
+        try:
+            result = self._cpu_path(args, kwargs)
+        except Exception as own:
+            # the task's own error (a user function's, NumPy's): what plain Dask raises. It is
+            # no fallback: nothing ran in the device's stead, and nothing is counted as one
+            self._log_own_error(reason, exc, own)
+            raise
         _stats.add_fallback(reason)
         _report_fallback(self.prefix, category, reason)
         if self.prefix not in _logged_prefixes:
@@ -788,7 +805,23 @@ class DeviceCall:
         else:
             _task_logger.debug("%s fell back to the CPU: %s", self.prefix, reason)
         _ran(RAN_ON_CPU, self.prefix)
-        return self._cpu_path(args, kwargs)
+        return result
+
+    def _log_own_error(self, reason: str, device_error: Exception | None,
+                       own: Exception) -> None:
+        """Say (once per prefix at INFO, then at DEBUG) that a task raised on its CPU path."""
+        if device_error is not None and type(device_error) is type(own):
+            where = "on the device and again on its CPU path"
+        else:
+            where = f"on its CPU path (run for {reason})"
+        message = (f"eugo: a task of {self.prefix} raised {type(own).__name__} {where}: the "
+                   "task's own error, raised to the caller as plain Dask raises it; no fallback "
+                   "counted")
+        if self.prefix not in _own_error_prefixes:
+            _own_error_prefixes.add(self.prefix)
+            logger.info("%s (later ones at DEBUG on %s): %s", message, _task_logger.name, own)
+        else:
+            _task_logger.debug("%s: %s", message, own)
 
     def _cpu_path(self, args: tuple, kwargs: dict) -> Any:
         # inputs may be device arrays (a fallback after the copies, or a re-routed task whose

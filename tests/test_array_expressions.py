@@ -204,3 +204,81 @@ def test_a_slice_is_planned_for_the_chunks_it_reads():
     out = json.loads(_child(["-c", _SLICE_CODE], expressions=True, timeout=300))
     for name, (planned, ran) in out.items():
         assert planned == ran > 0, (name, planned, ran)
+
+
+_SPECIAL_CHUNKS_CODE = """
+import json, dask, numpy as np, scipy.sparse as sp, eugo_dask, dask.array as da
+from eugo_dask.testing import emulated_settings
+
+x = da.random.default_rng(0).random((512, 512), chunks=128)
+masked = x.map_blocks(np.ma.masked_greater, 0.5, meta=np.ma.masked_array(np.empty((0, 0))))
+cases = {"masked": masked * 2 + 1, "masked mean": (masked * 2).mean(axis=0),
+         "scipy sparse": x.map_blocks(lambda b: sp.csr_matrix(b * (b > 0.9)),
+                                      meta=sp.csr_matrix((0, 0))) * 2}
+
+def same(a, b):
+    if sp.issparse(a):
+        return type(a) is type(b) and (a != b).nnz == 0
+    return type(a) is type(b) and bool(np.ma.allequal(a, b)) and bool(
+        (np.ma.getmaskarray(a) == np.ma.getmaskarray(b)).all())
+
+out = {}
+for name, y in cases.items():
+    with dask.config.set(optimizations=[]):
+        expected = y.compute(scheduler="sync")
+    with dask.config.set(emulated_settings()):
+        planned = len(eugo_dask.explain(y).gpu_keys)
+        eugo_dask.reset_device_stats()
+        result = y.compute(scheduler="sync")
+    stats = eugo_dask.device_stats()
+    out[name] = {"same": same(result, expected), "planned on the device": planned,
+                 "device tasks": stats["tasks"], "fallbacks": stats["fallbacks"]}
+if da.array_expr_enabled():  # a 0-d reduction's aggregate has a NumPy scalar for its meta
+    from eugo_dask.array_expressions import expression_graph
+    graph, _, chunk_info = expression_graph(((x * 2).sum(), x.max(axis=0)))
+    out["special chunk types of plain reductions"] = sorted(
+        {str(chunk_info.special_chunk_type(key)) for key in graph} - {"None"})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("expressions", [False, True])
+def test_masked_and_sparse_chunks_are_planned_on_the_cpu(expressions):
+    # no device holds a masked array or a sparse matrix: legacy mode read the meta's chunk type
+    # (``collection_annotations``) and kept such chunks on the CPU; expression mode planned
+    # them on the device, where every one fell back at run time (33 fallbacks for the masked
+    # case, "host-only chunk: MaskedArray"; 16 TypeErrors for the sparse one)
+    out = json.loads(_child(["-c", _SPECIAL_CHUNKS_CODE], expressions=expressions, timeout=300))
+    assert out.pop("special chunk types of plain reductions", []) == []
+    for name, case in out.items():
+        assert case == {"same": True, "planned on the device": 0, "device tasks": 0,
+                        "fallbacks": 0}, (name, case)
+
+
+_GRAPH_ERROR_CODE = """
+import json, dask, numpy as np, eugo_dask, dask.array as da
+from eugo_dask.testing import emulated_settings
+
+x = da.from_array(np.ones((64, 48)), chunks=16)
+# a function that fails on Dask's empty stand-in (its first element) and a dtype given as a
+# Python type: Dask's expressions raise AttributeError while making the graph
+y = (x * 2).map_blocks(lambda b: b / b[0, 0], dtype=float)
+out = {}
+for name, settings in {"plain": {"optimizations": []}, "eugo": emulated_settings()}.items():
+    with dask.config.set(settings):
+        try:
+            y.compute(scheduler="sync")
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e), repr(e.__context__)]
+print(json.dumps(out))
+"""
+
+
+def test_an_error_raised_while_the_graph_is_made_reaches_the_caller_unchanged():
+    # eugo's planned expression made its graph in a property: an AttributeError there sent
+    # Python to Expr.__getattr__, which made the graph a second time and raised an
+    # AttributeError of its own ("... This often means that you are attempting to use an
+    # unsupported API function..") with Dask's as its context
+    out = json.loads(_child(["-c", _GRAPH_ERROR_CODE], expressions=True, timeout=300))
+    assert out["plain"][0] == "AttributeError" and out["plain"][2] == "None", out
+    assert out["eugo"] == out["plain"]

@@ -8,6 +8,7 @@ Every wait has a timeout: a hang is a failure, never a stuck CI."""
 
 from __future__ import annotations
 
+import logging
 import time
 import urllib.request
 import warnings
@@ -267,6 +268,54 @@ def test_unsatisfiable_resource_request_is_never_made(tmp_path, case):
                 assert not [w for w in caught if told in str(w.message)]
         assert any(told in e[1].get("warning", "") for e in events)
         assert told in cluster.logs()
+
+
+_OTHER_RESOURCE = ("eugo: no worker advertises the resource 'GPU' (workers advertise: "
+                   "['FOO']); this graph runs unchanged on the CPU")
+
+
+def _two_graphs(compute):
+    """Two graphs computed with ``compute``, and the RuntimeWarnings the client saw of
+    :data:`_OTHER_RESOURCE` (once the scheduler's events for both have arrived)."""
+    x = da.random.default_rng(0).random((256, 256), chunks=64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dask.config.set(SETTINGS):
+            for y in ((np.sin(x) + 1).sum(), (np.cos(x) * 2).mean()):
+                compute(y)
+        seen = wait_until(lambda: len([w for w in caught if _OTHER_RESOURCE in str(w.message)])
+                          >= 2, timeout=10)
+        time.sleep(0.5)  # (a third would have arrived by now)
+    assert seen
+    return [w for w in caught if _OTHER_RESOURCE in str(w.message)]
+
+
+def test_a_misspelt_resource_is_said_once_per_graph(tmp_path):
+    # workers advertising another resource: the scheduler's log said it twice per graph (the
+    # pass's line, and the plugin's on receiving the pass's event)
+    workers = {"cpu-1": {"extra": ["--resources", "FOO=1"]}, "cpu-2": {"extra": ["--resources", "FOO=1"]}}
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        told = _two_graphs(lambda y: client.compute(y).result(timeout=60))
+        assert [w.category for w in told] == [RuntimeWarning, RuntimeWarning]
+        kept = wait_until(lambda: len(plugin_summary(client)["warnings"]) >= 2, timeout=10)
+        assert kept and plugin_summary(client)["warnings"] == [_OTHER_RESOURCE] * 2
+        assert (tmp_path / "scheduler.log").read_text().count(_OTHER_RESOURCE) == 2
+
+
+@pytest.mark.parametrize("plugin", [True, False])
+def test_a_misspelt_resource_is_said_once_per_graph_in_the_clients_process(plugin, caplog):
+    # a LocalCluster's scheduler runs in its client's process: the client saw its
+    # RuntimeWarning and, beside it, the scheduler's log line (twice with the plugin)
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, resources={"FOO": 1},
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
+        if plugin:
+            client.register_plugin(EugoSchedulerPlugin())
+        with caplog.at_level(logging.WARNING):
+            told = _two_graphs(lambda y: y.compute())
+        logged = [r for r in caplog.records if _OTHER_RESOURCE in r.getMessage()]
+        assert (len(told), len(logged)) == (2, 0)
 
 
 # ---------------------------------------------------------------------------------------------

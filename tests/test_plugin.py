@@ -233,3 +233,30 @@ def test_each_graph_s_machine_use_is_measured_beside_its_plans_work_bound():
     use.update({"usage": [usage]}, [])
     assert use.source.data["tasks"] == [f"{usage['done']} / {usage['tasks']}"]
     assert use.source.data["ratio"] == [f"{usage['makespan_s'] / usage['bound_s']:.2f}x"]
+
+
+def test_a_task_error_on_the_device_path_is_raised_as_plain_dask_and_logged_as_it_is(caplog):
+    # an integer power with a negative exponent raises in NumPy wherever it runs: the error
+    # reached the caller, but every GPU task of the prefix that raised (and those still running
+    # when the compute failed) logged and counted "fell back to the CPU (unsupported on device:
+    # ValueError ...)", a fallback that never completed
+    from eugo_dask.testing import emulated_gpu_cluster
+
+    x = da.ones((256, 256), chunks=64, dtype=int)
+    y = (x * 3).map_blocks(np.power, -1, dtype=int) + 1
+    with dask.config.set(optimizations=[]), pytest.raises(ValueError) as plain:
+        y.compute(scheduler="sync")
+    with caplog.at_level(logging.DEBUG, logger="eugo_dask.runtime"), \
+            emulated_gpu_cluster(cpu_workers=1) as client:
+        with pytest.raises(ValueError) as ours:
+            client.compute(y).result(timeout=60)
+        time.sleep(0.5)  # (tasks still running when the compute failed end and log)
+        summary = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].summary())
+    assert str(ours.value) == str(plain.value)
+    assert summary["fallbacks"] == {} and summary["fallback_reasons"] == {}
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("eugo_dask.runtime")]
+    assert logged and not [m for m in logged if "fell back" in m], logged
+    own = ("eugo: a task of add raised ValueError on the device and again on its CPU path: the "
+           "task's own error, raised to the caller as plain Dask raises it; no fallback counted")
+    assert all(m.startswith(own) for m in logged), logged

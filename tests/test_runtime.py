@@ -3,6 +3,8 @@ reports, copies back whatever device a value is on, and receiving device arrays 
 
 from __future__ import annotations
 
+import logging
+
 import dask
 import numpy as np
 import pytest
@@ -51,6 +53,62 @@ def test_masked_chunks_run_their_cpu_path_and_say_so(emulated_process):
     stats = eugo_dask.device_stats()
     assert stats["tasks"] == 0 and stats["h2d_count"] == 0
     assert stats["fallback_reasons"] == {"host-only chunk: MaskedArray": 1}
+
+
+def _negative_power(x):
+    return np.power(x, -1)  # on integers: NumPy's ValueError, wherever it runs
+
+
+_OWN_ERROR = ("the task's own error, raised to the caller as plain Dask raises it; no fallback "
+              "counted")
+
+
+def _eugo_log(caplog):
+    return [(r.name, r.levelname, r.getMessage()) for r in caplog.records
+            if r.name.startswith("eugo_dask.runtime")]
+
+
+def test_an_error_of_the_task_itself_is_raised_as_it_is_and_is_no_fallback(emulated_process,
+                                                                             caplog):
+    # it raised on the device, ran its CPU path, raised again: the log said "power tasks fell
+    # back to the CPU (unsupported on device: ValueError: ...)", a fallback was counted, and
+    # the error raised was chained to the device's ("During handling of the above exception")
+    from eugo_dask import runtime
+
+    runtime._own_error_prefixes.discard("power")
+    caplog.set_level(logging.DEBUG, logger="eugo_dask.runtime")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="Integers to negative integer powers") as raised:
+            DeviceCall(_negative_power, "emulated", "power")(np.arange(1, 4))
+        assert raised.value.__context__ is None and raised.value.__cause__ is None
+    message = f"eugo: a task of power raised ValueError on the device and again on its CPU path: {_OWN_ERROR}"
+    assert _eugo_log(caplog) == [
+        ("eugo_dask.runtime", "INFO", f"{message} (later ones at DEBUG on eugo_dask.runtime.tasks):"
+                                      " Integers to negative integer powers are not allowed."),
+        ("eugo_dask.runtime.tasks", "DEBUG",
+         f"{message}: Integers to negative integer powers are not allowed.")]
+    stats = eugo_dask.device_stats()
+    assert (stats["tasks"], stats["fallbacks"], stats["fallback_reasons"]) == (0, 0, {})
+    assert not any(prefix == "power" for prefix, _ in runtime.ledger.tasks)  # nothing ran
+
+
+def test_a_task_that_raises_on_its_cpu_path_after_a_fallback_says_why_it_ran_there(
+        emulated_process, caplog):
+    from eugo_dask import runtime
+
+    def refuses_device_arrays(x):
+        return np.power(np.asarray(x), -1)  # TypeError on the device, ValueError on the host
+
+    runtime._own_error_prefixes.discard("refusing")
+    caplog.set_level(logging.DEBUG, logger="eugo_dask.runtime")
+    with pytest.raises(ValueError, match="Integers to negative integer powers"):
+        DeviceCall(refuses_device_arrays, "emulated", "refusing")(np.arange(1, 4))
+    assert _eugo_log(caplog) == [(
+        "eugo_dask.runtime", "INFO",
+        "eugo: a task of refusing raised ValueError on its CPU path (run for unsupported on "
+        f"device: TypeError): {_OWN_ERROR} (later ones at DEBUG on eugo_dask.runtime.tasks): "
+        "Integers to negative integer powers are not allowed.")]
+    assert eugo_dask.device_stats()["fallbacks"] == 0
 
 
 def test_no_device_on_this_worker_is_a_fallback_with_its_reason():
