@@ -797,10 +797,10 @@ def _whole_rounds(costs: Costs, machine: Machine, shares: dict[int, float]
                   ) -> dict[int, float]:
     """``shares`` with each split group's (of ``count`` tasks, 0 < share < 1) rounded to a
     number of its tasks on the devices that leaves neither side a part-filled round where a
-    round more or less would do: of the counts within a round of each unit kind of the
-    share's, the one whose rounds end first (its tasks on the threads one at a time each, on
-    the devices one at a time each at the pace of its slowest stage: copy in, kernel, copy
-    back), the nearest the share's on a tie."""
+    round more or less would do: of the counts within a round of the devices of the share's,
+    and none and all, the one whose rounds end first (its tasks on the threads one at a time
+    each; on the devices one at a time each at the pace of its slowest stage, copy in, kernel
+    or copy back, after the first one's other stages), the nearest the share's on a tie."""
     out = dict(shares)
     p, g = machine.cpu_threads, machine.gpus
     counts = costs.counts or [1] * len(costs)
@@ -812,15 +812,22 @@ def _whole_rounds(costs: Costs, machine: Machine, shares: dict[int, float]
         n, gpu = counts[i], costs.gpu_s[i]
         if not 0 < share < 1 or n < 2 or gpu is None:
             continue
-        copy_in = sum(machine.h2d_s(costs.nbytes[u]) for u in costs.deps[i]
-                      if shares.get(u, 0.0) < 0.5)
+        # each value a task reads is copied once for all its readers: a task's share of the
+        # copies of what it reads from the other side (on the CPU, copies back on the links)
+        on_host = [shares.get(u, 0.0) < 0.5 for u in costs.deps[i]]
+        copy_in = sum(min(counts[u] / n, 1.0) * machine.h2d_s(costs.nbytes[u])
+                      for u, host in zip(costs.deps[i], on_host) if host)
+        copy_out = sum(min(counts[u] / n, 1.0) * machine.d2h_s(costs.nbytes[u])
+                       for u, host in zip(costs.deps[i], on_host) if not host)
         back = i in costs.outputs or any(shares.get(w, 0.0) < 0.5 for w in consumers[i])
-        stage = max(gpu, copy_in, machine.d2h_s(costs.nbytes[i]) if back else 0.0)
+        stages = (copy_in, gpu, machine.d2h_s(costs.nbytes[i]) if back else 0.0)
+        stage, fill = max(stages), sum(stages) - max(stages)  # (fill: the first task's others)
         want = share * n
-        low, high = max(0, math.floor(want) - g), min(n, math.ceil(want) + g)
+        near = range(max(0, math.floor(want) - g), min(n, math.ceil(want) + g) + 1)
         # (each count's rounds' end, then how far from the share's; -(-a // b): a / b up)
-        ends = [(max(-(-(n - k) // p) * costs.cpu_s[i], -(-k // g) * stage), abs(k - want), k)
-                for k in range(low, high + 1)]
+        ends = [(max(-(-(n - k) // p) * costs.cpu_s[i], (n - k) * copy_out / g,
+                     -(-k // g) * stage + (fill if k else 0)), abs(k - want), k)
+                for k in {0, n, *near}]
         out[i] = min(ends)[2] / n
     return out
 
@@ -990,7 +997,7 @@ class _Run:
         the values to copy to a device (a fixed GPU task reads them) and back (a host task,
         or a dual one, reads them), for :meth:`copy_ahead`."""
         costs = self.costs
-        fixed_gpu = [g is not None and i not in costs.dual
+        fixed_gpu = [g is not None and not (policy == "dual" and i in costs.dual)
                      and (policy == "all-gpu" or (policy != "all-cpu" and costs.placement[i]))
                      for i, g in enumerate(costs.gpu_s)]
         self.ahead_up = [any(fixed_gpu[v] for v in consumers[u]) for u in range(len(costs))]

@@ -351,3 +351,53 @@ def test_the_bound_is_below_every_placement_of_small_graphs():
                     assert made >= bound.seconds, (trial, bits, copies)
             c.dual = frozenset(i for i in capable if not placement[i])
             assert simulate(c, machine, "dual").makespan_s >= bound.seconds, (trial, bits)
+
+
+def test_the_split_of_a_layer_is_rounded_to_whole_rounds_on_both_kinds_of_unit():
+    """Fourteen like tasks, 1 s on a thread or 0.4 s on a device, on 2 threads and 4 GPUs:
+    divisible, the threads (2/s) and the devices (10/s) would share them to end at 1.17 s. Whole
+    tasks: 12 on the devices (3 rounds, 1.2 s) and 2 on the threads (one round, 1 s); all 14 on
+    the devices take 4 rounds (1.6 s), 10 leave the threads two rounds (2 s). By hand, 12."""
+    from eugo_dask.schedule import balanced_shares
+
+    group = Costs(keys=["layer"], cpu_s=[1.0], gpu_s=[0.4], nbytes=[0], deps=[()],
+                  outputs=frozenset(), placement=[False], counts=[14])
+    machine = Machine(cpu_threads=2, gpus=4, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    found = balanced_shares(group, machine)
+    assert found is not None
+    bound, shares = found
+    assert shares == {0: pytest.approx(12 / 14)}
+    assert bound.seconds == pytest.approx(1.2, rel=1e-5)
+    # the same tasks one by one: the bound sees whole tasks and rounds too, and 12 on the
+    # devices reach it
+    tasks = costs([1.0] * 14, [0.4] * 14, [()] * 14, outputs=set())
+    assert lower_bound(tasks, machine).seconds == pytest.approx(1.2, rel=1e-5)
+    placed = costs([1.0] * 14, [0.4] * 14, [()] * 14, outputs=set(),
+                   placement=[True] * 12 + [False] * 2)
+    assert simulate(placed, machine, "static").makespan_s == pytest.approx(1.2)
+
+
+def test_work_by_group_counts_a_layer_s_chunks_together():
+    """The seed's transform (16 chunks, each fused with its creation) is one group of 16 that
+    reads its fused creations (a group of 16 host values of a chunk's bytes), and each task's
+    group is given."""
+    from dask.array.optimization import optimize as dask_array_optimize
+
+    from eugo_dask.describe import describe_graph
+    from eugo_dask.graph import ChunkInfo, task_spec_dict
+    from eugo_dask.profile import load_profile
+    from eugo_dask.schedule import work_by_group
+
+    x = da.random.default_rng(0).random((4096, 4096), chunks=1024, dtype="float32")
+    y = da.exp(-x * x) * da.sin(x)
+    graph = task_spec_dict(dask_array_optimize(y.__dask_graph__(), y.__dask_keys__()))
+    description = describe_graph(graph, ChunkInfo.from_graph(y.__dask_graph__()),
+                                 load_profile({"base": "h200", "cpu": "server-x86"}), None)
+    groups, of_task = work_by_group(description, y.__dask_keys__(), cpu_threads=32)
+    assert len(of_task) == len(description.task_keys) == 16
+    (layer,) = set(of_task)
+    assert groups.counts[layer] == 16 and groups.gpu_s[layer] is not None
+    (source,) = groups.deps[layer]
+    assert groups.counts[source] == 16 and groups.gpu_s[source] is None
+    assert groups.nbytes[source] == 1024 * 1024 * 4  # (a chunk's bytes, made on the host)
+    assert groups.outputs == {layer}
