@@ -35,10 +35,9 @@ plugin sends it to a CPU thread or a GPU slot as it becomes ready (:mod:`eugo_da
 With ``shares`` (``eugo.dispatch: balanced``), the margin gives way to the machine the graph
 runs on: each layer that can run on a device goes where the split of the work that reaches the
 makespan's lower bound there puts it (:func:`~eugo_dask.schedule.balanced_shares`, over the
-layers' work taken together): a layer whose share on the devices is at least 1 less
-``SPLIT_SHARE`` runs there, one whose share is at most ``SPLIT_SHARE`` on the CPU, and a layer
-in between puts that share of its chunks on the device (spread over them in the walk's order),
-the others on the CPU. Data movement keeps its own rule.
+layers' work taken together): its share of its chunks on the device (all of them at a share of
+1, none at 0; between, spread over them in the walk's order), the others on the CPU. Data
+movement keeps its own rule.
 
 The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
 the copies it makes, and the sets the rewrite needs. Nothing here touches tasks' execution or
@@ -80,9 +79,6 @@ from eugo_dask.report import (
 #: inputs being on the host; it ``FOLLOWS`` its inputs' copies to the device, its consumers
 #: being there.
 MoveRule = Literal["stays", "follows"]
-#: Under ``eugo.dispatch: balanced``, a layer whose share on the devices in the bound's split is
-#: at most this is placed on the CPU, at least 1 less this on the devices, and in between split.
-SPLIT_SHARE: Final = 0.05
 STAYS: Final = "stays"
 FOLLOWS: Final = "follows"
 
@@ -531,17 +527,13 @@ def place(
         # shared by several consumers (not fused) leave the consumer's placement alike
         if (by_share and share is not None and capable and not too_big
                 and _not_starting is None and est.family != MOVEMENT):
-            if SPLIT_SHARE < share < 1 - SPLIT_SHARE:
-                # the layer's share of its chunks on the device, spread over its chunks in the
-                # walk's order, the others on the CPU
-                group = (k[0] if type(k) is tuple else k, id(est))
-                nth = split_seen[group]
-                split_seen[group] = nth + 1
-                # (a share of k/n tasks puts k on the device: floor, less the rounding of k/n)
-                on_device = (math.floor((nth + 1) * share + 1e-9)
-                             > math.floor(nth * share + 1e-9))
-            else:
-                on_device = share >= 1 - SPLIT_SHARE
+            # the layer's share of its chunks on the device, spread over its chunks in the
+            # walk's order, the others on the CPU (a share of 1: all; of 0: none)
+            group = (k[0] if type(k) is tuple else k, id(est))
+            nth = split_seen[group]
+            split_seen[group] = nth + 1
+            # (a share of j/n puts j of n on the device: floor, less the rounding of j/n)
+            on_device = math.floor((nth + 1) * share + 1e-9) > math.floor(nth * share + 1e-9)
         else:
             share = None
             on_device = (capable and not too_big and _not_starting is None

@@ -761,6 +761,9 @@ def _lp_bound(costs: Costs, machine: Machine, iterations: int | None
     return best, lp, limits
 
 
+#: :func:`balanced_shares` puts a group whose share on the devices is at most this wholly on
+#: the CPU, one whose share is at least 1 less this wholly on the devices, and rounds the others
+SPLIT_SHARE: Final = 0.05
 #: :meth:`_BoundLP.capacity` counts the whole tasks a unit runs up to this many a unit
 WHOLE_TASK_ROUNDS: Final = 3
 #: :func:`balanced_shares` takes the split of least work among those within this fraction of
@@ -795,12 +798,14 @@ def balanced_shares(costs: Costs, machine: Machine, *, slack: float = SHARE_SLAC
 
 def _whole_rounds(costs: Costs, machine: Machine, shares: dict[int, float]
                   ) -> dict[int, float]:
-    """``shares`` with each split group's (of ``count`` tasks, 0 < share < 1) rounded to a
-    number of its tasks on the devices that leaves neither side a part-filled round where a
-    round more or less would do: of the counts within a round of the devices of the share's,
-    and none and all, the one whose rounds end first (its tasks on the threads one at a time
-    each; on the devices one at a time each at the pace of its slowest stage, copy in, kernel
-    or copy back, after the first one's other stages), the nearest the share's on a tie."""
+    """``shares`` with each group's within :data:`SPLIT_SHARE` of 0 or 1 made that, and each
+    split group's (of ``count`` tasks) rounded to a number of its tasks on the devices that
+    leaves neither side a part-filled round where a round more or less would do: of the counts
+    within a round of the devices of the share's, and none and all, the one whose rounds end
+    first (its tasks on the threads one at a time each, their copies back of what they read
+    from the devices on the links; on the devices one at a time each at the pace of its slowest
+    stage, copy in, kernel or copy back, after the first one's other stages), the nearest the
+    share's on a tie."""
     out = dict(shares)
     p, g = machine.cpu_threads, machine.gpus
     counts = costs.counts or [1] * len(costs)
@@ -810,7 +815,10 @@ def _whole_rounds(costs: Costs, machine: Machine, shares: dict[int, float]
             consumers[u].append(v)
     for i, share in shares.items():
         n, gpu = counts[i], costs.gpu_s[i]
-        if not 0 < share < 1 or n < 2 or gpu is None:
+        if share <= SPLIT_SHARE or share >= 1 - SPLIT_SHARE:  # (nearly all on one side: all)
+            out[i] = 0.0 if share <= SPLIT_SHARE else 1.0
+            continue
+        if n < 2 or gpu is None:
             continue
         # each value a task reads is copied once for all its readers: a task's share of the
         # copies of what it reads from the other side (on the CPU, copies back on the links)
