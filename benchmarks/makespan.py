@@ -21,8 +21,12 @@ under the policies
   idle CPU thread), copies in the GPU slot: dispatch that can only move GPU work to the CPU;
 - ``dual``: the plan made with ``eugo.dispatch: dual``: its fixed tasks as ``static``, its dual
   tasks each sent as it becomes ready to the CPU thread or GPU slot the scheduler plugin's rule
-  picks (the dual task's copies inside it, holding the slot). With ``--timed``, the dual tasks
-  are placed at run time by eugo's scheduler plugin itself.
+  picks (the dual task's copies inside it, holding the slot and taking the link). With
+  ``--timed``, the dual tasks are placed at run time by eugo's scheduler plugin itself;
+- ``eugo``: the plan made with ``eugo.dispatch: balanced`` for the machine it runs on
+  (``explain(machine=...)``): each layer where the split of least work that reaches the bound
+  on that machine puts it, a split layer's chunks shared in whole rounds; its copies on the
+  links, as ``static``'s.
 
 Each line: the makespan, the lower bound (LP, HiGHS) and their ratio, how busy the CPU threads
 and GPUs were, and whether the bound itself uses both kinds of device (``mixed``). This is the
@@ -33,7 +37,7 @@ emulated cluster (a run on real workers with these durations) is what checks a b
     python benchmarks/makespan.py --quick          # a quarter of the data, chunks as large
     python benchmarks/makespan.py --json out.json  # also one record per graph x machine x policy
     python benchmarks/makespan.py --timed 1        # also run each schedule on the timed cluster
-    python benchmarks/makespan.py --quick --timed 1 --graphs seed,tensordot --policies static,dual
+    python benchmarks/makespan.py --quick --timed 1 --graphs seed,tensordot --policies static,eugo
 
 ``--timed S`` runs each schedule on the timed emulated cluster (:mod:`eugo_dask.timed`: a real
 scheduler, a CPU worker with the machine's threads and a worker per GPU, every task sleeping its
@@ -63,10 +67,11 @@ PROFILE = {"base": "h200", "cpu": "server-x86"}
 LINK = {"h2d_bytes_per_s": 8.3e9, "d2h_bytes_per_s": 4.0e9, "latency_s": 1e-5}
 MACHINES = [Machine(cpu_threads=32, gpus=1, name="32c+1g", **LINK),
             Machine(cpu_threads=8, gpus=4, name="8c+4g", **LINK)]
-#: (label, policy, copies)
-POLICIES = [("static", "static", "link"), ("static-slot", "static", "slot"),
-            ("all-cpu", "all-cpu", "link"), ("all-gpu", "all-gpu", "link"),
-            ("dmda", "dmda", "link"), ("spill", "spill", "slot"), ("dual", "dual", "link")]
+#: (label, policy, copies, the plan's eugo.dispatch)
+POLICIES = [("static", "static", "link", "dual"), ("static-slot", "static", "slot", "dual"),
+            ("all-cpu", "all-cpu", "link", "dual"), ("all-gpu", "all-gpu", "link", "dual"),
+            ("dmda", "dmda", "link", "dual"), ("spill", "spill", "slot", "dual"),
+            ("dual", "dual", "link", "dual"), ("eugo", "static", "link", "balanced")]
 
 
 def graphs(scale: int, store: str) -> dict[str, Callable[[], Any]]:
@@ -137,10 +142,12 @@ def zarr_store(directory: str, scale: int) -> str:
     return path
 
 
-def costs_of(collection: Any) -> Costs:
-    # (dispatch dual: the same placement, its dual tasks marked; static ignores the marks)
-    with dask.config.set({"eugo.profile": PROFILE, "eugo.device": "none", "eugo.dispatch": "dual"}):
-        plan = explain(collection)
+def costs_of(collection: Any, dispatch: str = "dual", machine: Machine | None = None) -> Costs:
+    """The model of ``collection``'s plan under ``eugo.dispatch`` (dual: the static placement,
+    its dual tasks marked, which static ignores; balanced: for ``machine``)."""
+    with dask.config.set({"eugo.profile": PROFILE, "eugo.device": "none",
+                          "eugo.dispatch": dispatch}):
+        plan = explain(collection, machine=machine)
     if plan.schedule is None:
         raise SystemExit(f"{len(plan)} tasks: more than explain() simulates")
     return plan.schedule.costs
@@ -169,23 +176,27 @@ def main(argv: list[str] | None = None) -> None:
                  if not args.graphs or any(part in name for part in args.graphs.split(","))}
         width = 26 if args.timed else 17
         print(f"{'graph':<26} {'machine':<7} {'tasks':>6} {'bound':>9} {'mixed':>5}  "
-              + "  ".join(f"{label:>{width}}" for label, _, _ in policies)
+              + "  ".join(f"{label:>{width}}" for label, *_ in policies)
               + ("\n(simulated; in brackets: achieved on the timed cluster)" if args.timed else ""))
         for name, build in built.items():
             start = time.perf_counter()
-            costs = costs_of(build())
+            collection = build()
+            costs = costs_of(collection)
             # (the graph's tasks: the model adds a value for chunks embedded in device tasks)
             tasks = sum(1 for k in costs.keys if not (isinstance(k, tuple) and k[0] == "eugo-embedded"))
             for machine in MACHINES:
                 bound = lower_bound(costs, machine)
+                balanced = (costs_of(collection, "balanced", machine)
+                            if any(p[3] == "balanced" for p in policies) else None)
                 cells = []
-                for label, policy, copies in policies:
-                    run = simulate(costs, machine, policy, copies=copies)  # type: ignore[arg-type]
+                for label, policy, copies, dispatch in policies:
+                    plan_costs = balanced if dispatch == "balanced" and balanced else costs
+                    run = simulate(plan_costs, machine, policy, copies=copies)  # type: ignore[arg-type]
                     ratio = run.makespan_s / bound.seconds
                     cells.append(f"{run.makespan_s * 1e3:8.1f} ms {ratio:5.2f}x")
                     timed = None
                     if args.timed:
-                        timed = run_timed(costs, run, dilation=args.timed / bound.seconds,
+                        timed = run_timed(plan_costs, run, dilation=args.timed / bound.seconds,
                                           copies=copies).makespan_s  # type: ignore[arg-type]
                         cells[-1] += f" ({timed / bound.seconds:5.2f}x)"
                     records.append({
@@ -206,22 +217,47 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(records, out, indent=1)
 
 
-def _summary(records: list[dict[str, Any]], policies: list[tuple[str, str, str]]) -> None:
+def _summary(records: list[dict[str, Any]], policies: list[tuple[str, str, str, str]]) -> None:
     """The worst ratio to the bound of each policy; where the bound uses both kinds of device,
-    dmda and dual against static; copies off the GPU slot against in it (of the policies run)."""
+    dmda, dual and eugo against static; copies off the GPU slot against in it; eugo against the
+    better of all-CPU and all-GPU, and how busy each kind of device was under eugo where the
+    bound uses both (of the policies run). Timed figures beside where they were run."""
+    labels = [label for label, *_ in policies]
+    timed = any(r["timed_s"] is not None for r in records)
+
+    def worst(label: str, field: str) -> str:
+        return f"{max(r[field] / r['bound_s'] for r in records if r['policy'] == label):.2f}x"
+
     print("\nworst makespan / bound, by policy:", ", ".join(
-        f"{label} {max(r['makespan_s'] / r['bound_s'] for r in records if r['policy'] == label):.2f}x"
-        for label, _, _ in policies))
+        f"{label} {worst(label, 'makespan_s')}" + (f" (timed {worst(label, 'timed_s')})"
+                                                   if timed else "") for label in labels))
     key = {(r["graph"], r["machine"], r["policy"]): r for r in records}
+    everywhere = sorted({(g, m) for g, m, _ in key})
     mixed = sorted({(g, m) for (g, m, _), r in key.items() if r["mixed"]})
+    fields = ["makespan_s", "timed_s"] if timed else ["makespan_s"]
     for slower, faster, where in (("static", "dmda", "mixed"), ("static", "dual", "mixed"),
-                                  ("static-slot", "static", "all")):
-        rows = mixed if where == "mixed" else sorted({(g, m) for g, m, _ in key})
-        gains = [key[(g, m, slower)]["makespan_s"] / key[(g, m, faster)]["makespan_s"]
-                 for g, m in rows if (g, m, slower) in key and (g, m, faster) in key]
-        if gains:
-            print(f"{slower} / {faster} on {len(gains)} graph x machine ({where}): "
-                  f"{min(gains):.2f}x to {max(gains):.2f}x")
+                                  ("static", "eugo", "mixed"), ("static-slot", "static", "all")):
+        rows = mixed if where == "mixed" else everywhere
+        for field in fields:
+            gains = [key[(g, m, slower)][field] / key[(g, m, faster)][field]
+                     for g, m in rows if (g, m, slower) in key and (g, m, faster) in key]
+            if gains:
+                print(f"{slower} / {faster} on {len(gains)} graph x machine ({where}"
+                      f"{', timed' if field == 'timed_s' else ''}): "
+                      f"{min(gains):.2f}x to {max(gains):.2f}x")
+    if {"eugo", "all-cpu", "all-gpu"} <= set(labels):
+        for field in fields:
+            against = [key[(g, m, "eugo")][field] / min(key[(g, m, "all-cpu")][field],
+                                                         key[(g, m, "all-gpu")][field])
+                       for g, m in everywhere]
+            print(f"eugo / the better of all-cpu and all-gpu"
+                  f"{' (timed)' if field == 'timed_s' else ''}: {min(against):.2f}x to "
+                  f"{max(against):.2f}x")
+    if "eugo" in labels and mixed:
+        busy = [(key[(g, m, "eugo")]["busy_cpu"], key[(g, m, "eugo")]["busy_gpu"]) for g, m in mixed]
+        print(f"eugo where the bound is mixed: CPU busy {min(c for c, _ in busy):.0%} to "
+              f"{max(c for c, _ in busy):.0%}, GPU busy {min(g for _, g in busy):.0%} to "
+              f"{max(g for _, g in busy):.0%} (simulated)")
 
 
 if __name__ == "__main__":

@@ -312,8 +312,8 @@ def explain(target: str, as_json: bool, html_path: Path | None, profile: str | N
         except yaml.YAMLError as e:
             raise UserError(f"--profile: {profile!r} is not a YAML/JSON mapping "
                             f"({str(e).splitlines()[0]})") from None
-    settings = {k: v for k, v in (("profile", profile_setting), ("min_speedup", min_speedup))
-                if v is not None}
+    settings: dict[str, Any] = {k: v for k, v in (("profile", profile_setting),
+                                                  ("min_speedup", min_speedup)) if v is not None}
     _check_settings(settings)
     if html_path is not None:
         check_writable(html_path, "--html")

@@ -302,9 +302,10 @@ _DEVICE_KEYS = ("eugo.device-memory-fraction", "eugo.fft-plan-cache-size",
                 "eugo.fft-plan-cache-memory", "eugo.device-idle-release", "eugo.staging-buffer",
                 "eugo.copy-threads", "eugo.copy-piece", "eugo.pinned-results",
                 "eugo.pinned-results-min", "eugo.register-in-place", "eugo.gpus-per-process")
-#: The values of ``eugo.dispatch``: the plan fixes every task, or tasks where neither device
-#: dominates are placed at run time.
-DISPATCH = ("static", "dual")
+#: The values of ``eugo.dispatch``: the plan fixes every task by the margin; or tasks where
+#: neither device dominates are placed at run time; or each layer goes where the split that
+#: reaches the makespan's lower bound on the machine the graph runs on puts it.
+DISPATCH = ("static", "dual", "balanced")
 #: The values of ``eugo.gpus-per-process``.
 GPUS_PER_PROCESS = ("one", "all")
 #: Every key the device path reads (:func:`device_setting_problems` depends on these only).

@@ -62,6 +62,17 @@ def gpu_task_slots(scheduler: Any, resource: str) -> list[tuple[float, int]]:
             for ws in list(scheduler.workers.values()) if ws.resources.get(resource)]
 
 
+def cpu_task_threads(scheduler: Any, resource: str) -> int:
+    """The threads of ``scheduler``'s workers that run host tasks: those of the workers that do
+    not advertise ``resource`` (where the eugo plugin keeps host work), or, where every worker
+    does, theirs less one per unit of it (at least one each); 0 without a scheduler."""
+    if scheduler is None:
+        return 0
+    workers = list(scheduler.workers.values())
+    plain = sum(int(ws.nthreads) for ws in workers if not ws.resources.get(resource))
+    return plain or sum(max(int(ws.nthreads) - int(ws.resources[resource]), 1) for ws in workers)
+
+
 def read_slots(scheduler: Any) -> int:
     """The root tasks the workers of ``scheduler`` take at once: each worker's threads times
     distributed's ``worker-saturation``, rounded up, as the scheduler counts a worker's room for

@@ -41,6 +41,7 @@ from eugo_dask.config import (
     resolve_profile,
 )
 from eugo_dask.context import (
+    cpu_task_threads,
     gpu_task_slots,
     local_scheduler,
     read_slots,
@@ -57,7 +58,13 @@ from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile
 from eugo_dask.rewrite import Rewrite, annotated_graph, rewrite_graph, roles_of_rewritten
 from eugo_dask.runtime import EVENT_TOPIC, PlannedDevice, device_first_use_paid, device_started
-from eugo_dask.schedule import summarize, work_groups
+from eugo_dask.schedule import (
+    Machine,
+    balanced_shares,
+    summarize,
+    work_by_group,
+    work_groups,
+)
 from eugo_dask.unfuse import split_mixed_tasks
 
 logger = logging.getLogger(__name__)
@@ -126,15 +133,61 @@ class _Described(NamedTuple):
     description: GraphDescription
     profile: Profile
 
-    def place(self, settings: Settings) -> Plan:
+    def place(self, settings: Settings, *, machine: Machine | None = None) -> Plan:
+        """The plan under ``settings``; under ``eugo.dispatch: balanced``, by the bound's split
+        on ``machine`` (None: the machine the graph runs on, :func:`_machine`)."""
         device = None if settings.device == "none" else settings.device
+        shares = None
+        if settings.dispatch == "balanced" and settings.min_speedup != 0:
+            shares = _layer_shares(self.description, self.keys, self.profile,
+                                   machine or _machine(settings, self.profile))
         return place(self.graph, self.keys, self.description, profile=self.profile,
                      min_speedup=settings.min_speedup, device=device,
                      device_memory_bytes=_device_memory_bytes(
                          settings, settings.device, self.profile.gpu.memory_bytes),
                      gpu_tasks_per_device=_gpu_tasks_per_device(settings, self.profile),
                      cold=_cold_start(device, self.profile),
-                     dual_from=settings.dual_from if settings.dispatch == "dual" else None)
+                     dual_from=settings.dual_from if settings.dispatch == "dual" else None,
+                     shares=shares)
+
+
+#: ``eugo.dispatch: balanced`` places the layers of graphs up to this many described tasks by
+#: the bound's split (its groups are few whatever the size; the walk over the tasks that makes
+#: them is what grows)
+BALANCED_MAX_GROUPS = 2_000
+
+
+def _layer_shares(description: GraphDescription, keys: Key | NestedKeys, profile: Profile,
+                  machine: Machine) -> list[float | None] | None:
+    """For each described task, its layer's share on the devices in the split of least work
+    that reaches the makespan bound on ``machine`` (:func:`~eugo_dask.schedule.balanced_shares`
+    over :func:`~eugo_dask.schedule.work_by_group`); None where no split is found (no SciPy,
+    too many groups): the margin places every task."""
+    groups, of_task = work_by_group(description, keys, cpu_threads=profile.cpu.threads)
+    if len(groups) > BALANCED_MAX_GROUPS:
+        return None
+    found = balanced_shares(groups, machine)
+    if found is None:
+        return None
+    shares = found[1]
+    return [shares.get(g) for g in of_task]
+
+
+def _machine(settings: Settings, profile: Profile) -> Machine:
+    """The machine a graph runs on, for ``eugo.dispatch: balanced``: on a distributed scheduler
+    with GPU workers, the threads that run host tasks there
+    (:func:`~eugo_dask.context.cpu_task_threads`) and a device per GPU worker and device its
+    process drives; elsewhere the profile's machine (its threads and GPUs). The links are the
+    profile's."""
+    if current_submission() is not None:
+        scheduler = running_scheduler()
+        slots = gpu_task_slots(scheduler, settings.resource)
+        if slots:
+            devices = _devices_per_process(settings, profile)
+            return Machine.from_profile(
+                profile, cpu_threads=max(cpu_task_threads(scheduler, settings.resource), 1),
+                gpus=sum(min(devices, max(int(units), 1)) for units, _ in slots))
+    return Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
 
 
 def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
@@ -238,11 +291,14 @@ def _expect_timings(plan: Plan, settings: Settings, executed: dict[Key, Key]) ->
     expect({executed.get(d.key, d.key): (d.op, d.device, d.bytes, history) for d in plan})
 
 
-def _token(settings: Settings, profile: Profile) -> str:
+def _token(settings: Settings, profile: Profile, machine: Machine | None = None) -> str:
     """Eight hex digits naming everything a plan depends on besides the graph itself: the
-    settings, the profile and, with learning on, the learned durations. They go into every key
-    eugo writes or renames, so a key means one thing whoever computes it."""
+    settings, the profile, with learning on the learned durations, and under
+    ``eugo.dispatch: balanced`` the ``machine`` it was placed for. They go into every key eugo
+    writes or renames, so a key means one thing whoever computes it."""
     learned = get_history(settings.history).digest() if settings.learn else None
+    if machine is not None:  # (the machine's shape: what the placement reads of it)
+        learned = f"{learned}/{machine.cpu_threads}c+{machine.gpus}g"
     # the same settings and profile on every pass: tokenizing a profile costs more than
     # describing a small graph. The settings' repr tells apart what tokenize tells apart
     # (2 from 2.0 and from numpy's 2.0); the profile object is kept with its token
@@ -358,7 +414,9 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
         # no eugo plugin here to place dual tasks as they become ready: they would all run
         # their CPU path, as the static plan places them
         settings = Settings(**{**settings.to_dict(), "dispatch": "static"})
-    plan = described.place(settings)
+    # (balanced: placed for the machine it runs on, which names its keys as the settings do)
+    machine = _machine(settings, profile) if settings.dispatch == "balanced" else None
+    plan = described.place(settings, machine=machine)
     gpu_keys = plan.gpu_keys  # (a pass over every decision: once)
     dual_keys = plan.dual_keys
     graph = described.graph
@@ -377,7 +435,7 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     # planned for a local scheduler, the tasks carry the settings: a processes scheduler's pool
     # processes have Dask's defaults (a cluster's workers use their own)
     device = settings.device if submission else PlannedDevice.here(settings.device)
-    how = Rewrite(device, resource, _token(settings, profile),
+    how = Rewrite(device, resource, _token(settings, profile, machine),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {},
                   plan_id, settings.resource, _read_window(settings))
@@ -397,7 +455,7 @@ def _is_array_expression(collection: Any) -> bool:
     return isinstance(getattr(collection, "expr", None), Expr)
 
 
-def explain(*collections: Any, **settings: Any) -> Plan:
+def explain(*collections: Any, machine: Machine | None = None, **settings: Any) -> Plan:
     """The placement eugo would make for the tasks of ``collections``, with reasons and
     estimates.
 
@@ -416,6 +474,11 @@ def explain(*collections: Any, **settings: Any) -> Plan:
     ----------
     *collections
         Dask arrays (or any collections with an array graph).
+    machine
+        The machine to hold the plan against (:class:`~eugo_dask.schedule.Machine`: CPU
+        threads, GPUs, links): its predicted makespan and lower bound, and under
+        ``eugo.dispatch: balanced`` the split that places the layers. None: the profile's
+        machine (its threads and GPUs).
     **settings
         ``eugo.*`` settings for this call, with underscores: ``min_speedup=0``,
         ``profile="t4"``, ``device="emulated"``.
@@ -451,11 +514,14 @@ def explain(*collections: Any, **settings: Any) -> Plan:
         chunks = ChunkInfo.from_graph(graph)
         optimized = task_spec_dict(dask_array_optimize(graph, keys))
     described = _split_and_describe(optimized, keys, chunks, current, _profile(current))
-    plan = described.place(current)
+    if machine is not None and not isinstance(machine, Machine):
+        raise TypeError("explain()'s machine must be an eugo_dask.schedule.Machine; got "
+                        f"{type(machine).__name__}")
+    plan = described.place(current, machine=machine)
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
     plan.schedule = summarize(described.graph, keys, described.description, plan,
-                              described.profile)
+                              described.profile, machine=machine)
     return plan
 
 

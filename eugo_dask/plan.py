@@ -32,6 +32,13 @@ on the host, and whose GPU path with its own copies in and back is predicted at 
 result on the host, as its consumers see it), it carries both paths, and eugo's scheduler
 plugin sends it to a CPU thread or a GPU slot as it becomes ready (:mod:`eugo_dask.dispatch`).
 
+With ``shares`` (``eugo.dispatch: balanced``), the margin gives way to the machine the graph
+runs on: each layer that can run on a device goes where the split of the work that reaches the
+makespan's lower bound there puts it (:func:`~eugo_dask.schedule.balanced_shares`, over the
+layers' work taken together): its share of its chunks on the device (all of them at a share of
+1, none at 0; between, spread over them in the walk's order), the others on the CPU. Data
+movement keeps its own rule.
+
 The plan is data: records a person can read (:class:`Decision`), totals for what-if comparisons,
 the copies it makes, and the sets the rewrite needs. Nothing here touches tasks' execution or
 CuPy.
@@ -40,10 +47,11 @@ CuPy.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
@@ -86,14 +94,14 @@ class Decision:
 
     __slots__ = ("key", "device", "cpu_s", "h2d_s", "d2h_s", "_estimate", "_spec", "_lanes",
                  "_d2h_in_s", "_min_speedup", "_memory_limit", "_cold", "_move", "_sharing",
-                 "dual")
+                 "dual", "share")
 
     def __init__(self, key: Key, device: Placement, estimate: Estimate, spec: ArraySpec | None,
                  cpu_s: float, h2d_s: float, d2h_s: float, lanes: int, d2h_in_s: float,
                  min_speedup: float, memory_limit: float | None,
                  cold: tuple[float, float, float] | None = None,
                  move: MoveRule | None = None, sharing: int = 1,
-                 dual: DualCost | None = None) -> None:
+                 dual: DualCost | None = None, share: float | None = None) -> None:
         # made once per task of graphs a million tasks large, with positional arguments
         self.key, self.device, self.cpu_s = key, device, cpu_s
         self.h2d_s, self.d2h_s = (h2d_s, d2h_s) if estimate.gpu_capable else (0.0, 0.0)
@@ -102,6 +110,9 @@ class Decision:
         self._cold, self._move, self._sharing = cold, move, sharing
         #: a dual task's seconds either way (None: its placement is fixed)
         self.dual = dual
+        #: under ``eugo.dispatch: balanced``, the share of the task's layer on the devices in
+        #: the split that reaches the makespan bound, which placed it (None: the margin did)
+        self.share = share
 
     @property
     def prefix(self) -> str:
@@ -185,8 +196,12 @@ class Decision:
         speedup = ((self.cpu_s - host / self._lanes + self._d2h_in_s) / total if total > 0
                    else math.inf)
         cmp = ">=" if self.device == GPU else "<"
-        text = (f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} "
-                f"{self._min_speedup:g}){either}")
+        if self.share is not None:
+            text = (f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x){either}; the "
+                    f"makespan bound's split puts {self.share:.0%} of its layer on the GPU")
+        else:
+            text = (f"{label}: {' + '.join(parts)} vs {cpu} ({speedup:.3g}x {cmp} "
+                    f"{self._min_speedup:g}){either}")
         if self.dual is not None:
             text += (f"; dual: the scheduler picks per task, a CPU thread "
                      f"{format_seconds(self.dual.thread_s)} or a GPU slot "
@@ -202,6 +217,7 @@ class Decision:
                  "gpu_s", "h2d_s", "d2h_s", "device", "reason", "measured")
         out = {name: getattr(self, name) for name in names}
         out["dual"] = self.dual._asdict() if self.dual is not None else None
+        out["share"] = self.share
         out["cpu_model_s"], out["gpu_model_s"] = self._estimate.cpu_model_s, self._estimate.gpu_model_s
         out["key"] = str(self.key)
         out["shape"] = list(self.shape) if self.shape is not None else None
@@ -383,6 +399,7 @@ def place(
     gpu_tasks_per_device: int = 1,
     cold: ColdStart | None = None,
     dual_from: float | None = None,
+    shares: Sequence[float | None] | None = None,
     _not_starting: tuple[frozenset[Key], tuple[float, float, float]] | None = None,
 ) -> Plan:
     """Place every described task of ``dsk`` (see the module docstring).
@@ -409,6 +426,13 @@ def place(
     dual_from
         ``eugo.dispatch: dual``: the lowest predicted speedup of a dual task (see the module
         docstring); None: every placement is fixed here.
+    shares
+        ``eugo.dispatch: balanced``: for each described task (in ``description.task_keys``'
+        order), the share of its layer on the devices in a split that reaches the makespan
+        bound on the machine the graph runs on (None: no share, the margin places it). A
+        task that can run on a device goes where its layer's share says (see the module
+        docstring); data movement keeps its own rule, and ``min_speedup`` 0 offloads every
+        task that can be as it does without shares.
     """
     outputs = flatten_keys(keys)
     # the loop below runs once per task: plain dict lookups, and helpers only on its rarer
@@ -448,8 +472,12 @@ def place(
     # the described tasks in dependency order, their estimates, what they read and what they
     # give, key for key: walking them side by side skips the others without a lookup each
     codes: dict[int, tuple[int, int, int]] = {}  # id(spec) -> on the host, device, copied back
-    for k, est, inputs, spec in zip(description.task_keys, description.task_estimates,
-                                    description.inputs, description.task_specs, strict=True):
+    by_share = shares is not None and min_speedup != 0
+    split_seen: Counter[tuple[Any, int]] = Counter()  # a split layer's chunks placed so far
+    task_shares = shares if shares is not None else itertools.repeat(None, len(description.task_keys))
+    for k, est, inputs, spec, share in zip(description.task_keys, description.task_estimates,
+                                           description.inputs, description.task_specs,
+                                           task_shares, strict=True):
         lanes, payer, chunks = layer_of.get(k[0] if type(k) is tuple else k, (1, 0, 1))
         lanes = lanes if est.cpu_parallel else 1
         cpu_s = est.cpu_s / lanes
@@ -497,9 +525,21 @@ def place(
         # the margin applies to the work that moves: host work inside the task (a creation
         # fused into it) is paid either way, so a source fused into its one consumer and one
         # shared by several consumers (not fused) leave the consumer's placement alike
-        if (capable and not too_big and _not_starting is None
-                and (min_speedup == 0 or (not host_move and cpu_total - est.host_s / lanes
-                                          >= min_speedup * (gpu_total - est.host_s)))):
+        if (by_share and share is not None and capable and not too_big
+                and _not_starting is None and est.family != MOVEMENT):
+            # the layer's share of its chunks on the device, spread over its chunks in the
+            # walk's order, the others on the CPU (a share of 1: all; of 0: none)
+            group = (k[0] if type(k) is tuple else k, id(est))
+            nth = split_seen[group]
+            split_seen[group] = nth + 1
+            # (a share of j/n puts j of n on the device: floor, less the rounding of j/n)
+            on_device = math.floor((nth + 1) * share + 1e-9) > math.floor(nth * share + 1e-9)
+        else:
+            share = None
+            on_device = (capable and not too_big and _not_starting is None
+                         and (min_speedup == 0 or (not host_move and cpu_total - est.host_s / lanes
+                                                   >= min_speedup * (gpu_total - est.host_s))))
+        if on_device:
             placement: Placement = GPU
             chosen = gpu_total - made  # (the totals count each copy once)
             if host_paid:  # copied to the device (once, whoever pays)
@@ -540,7 +580,7 @@ def place(
                                 task_memory_bytes if too_big else None,
                                 _not_starting[1] if _not_starting and k in _not_starting[0]
                                 else None, STAYS if host_move and placement == CPU else None,
-                                sharing, dual)
+                                sharing, dual, share)
         dual = None
     needed_on_host = _host_consumed(description, decisions, outputs, read_by_undescribed)
     follow = _moves_that_follow(kept, seen, needed_on_host)

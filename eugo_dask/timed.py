@@ -17,8 +17,9 @@ as worker restrictions; the order is distributed's own (Dask's priorities). Unde
 policy the dual tasks are not placed in advance: each carries both durations (its CPU time, and
 its time holding a GPU slot with its copies inside it) in an ``eugo`` annotation of role
 ``dual``, eugo's scheduler plugin sends it where it expects it to finish first as it becomes
-ready, and it sleeps the duration of where it was granted to run (the slot, or a thread); its
-result is on the host either way. What comes back is
+ready, and it sleeps the duration of where it was granted to run (a thread; or the slot, its
+copies in and back taking the worker's link as copy tasks do: a lock per direction that
+both hold while they copy); its result is on the host either way. What comes back is
 the makespan the scheduler achieved, from the first task's start to the last one's end, divided
 by ``dilation``: comparable with :func:`~eugo_dask.schedule.simulate`'s and the bound.
 """
@@ -26,6 +27,7 @@ by ``dilation``: comparable with :func:`~eugo_dask.schedule.simulate`'s and the 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +36,16 @@ from dask._task_spec import Task, TaskRef
 from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from eugo_dask.context import granted_resources
+from eugo_dask.context import current_worker, granted_resources
 from eugo_dask.rewrite import DUAL_ROLE
-from eugo_dask.schedule import CopyMode, Costs, Machine, Schedule, dual_slot_seconds
+from eugo_dask.schedule import (
+    CopyMode,
+    Costs,
+    Machine,
+    Schedule,
+    dual_copy_seconds,
+    dual_slot_seconds,
+)
 
 #: the resources of a GPU worker: one kernel, one copy each way at a time
 GPU_WORKER_RESOURCES = {"GPU": 1, "UP": 1, "DOWN": 1}
@@ -49,10 +58,39 @@ def _sleep(seconds: float, *inputs: Any) -> int:
     return 0
 
 
-def _sleep_dual(thread_s: float, slot_s: float, *inputs: Any) -> int:
-    """A dual task: ``slot_s`` where its worker granted it a GPU slot, else ``thread_s``."""
+#: (worker, direction) -> the lock of that worker's link in that direction (the workers of a
+#: timed cluster run in one process): a copy task and a dual task's own copies take it
+_links: dict[tuple[str, str], threading.Lock] = {}
+_links_lock = threading.Lock()
+
+
+def _link(direction: str) -> threading.Lock:
+    worker = current_worker()
+    with _links_lock:
+        return _links.setdefault((getattr(worker, "address", ""), direction), threading.Lock())
+
+
+def _sleep_copy(direction: str, seconds: float, *inputs: Any) -> int:
+    """A copy on this worker's link in ``direction`` (``up``, ``down``)."""
+    with _link(direction):
+        time.sleep(seconds)
+    return 0
+
+
+def _sleep_dual(thread_s: float, in_s: float, kernel_s: float, back_s: float,
+                *inputs: Any) -> int:
+    """A dual task: where its worker granted it a GPU slot, its copy in on the worker's link
+    up, its kernel, its copy back on the link down (the slot held throughout); else
+    ``thread_s``."""
     granted = granted_resources() or {}
-    time.sleep(slot_s if granted.get("GPU", 0) >= 1 else thread_s)
+    if granted.get("GPU", 0) < 1:
+        time.sleep(thread_s)
+        return 0
+    for direction, seconds in (("up", in_s), ("", kernel_s), ("down", back_s)):
+        if direction and seconds:
+            _sleep_copy(direction, seconds)
+        else:
+            time.sleep(seconds)
     return 0
 
 
@@ -101,7 +139,8 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         key = f"down-{u}"
         if key not in layers.get(f"down-{g}", {}):
             seconds = machine.d2h_s(costs.nbytes[u]) * dilation
-            add(f"down-{g}", key, Task(key, _sleep, seconds, TaskRef(task_key(u, dual))),
+            add(f"down-{g}", key, Task(key, _sleep_copy, "down", seconds,
+                                       TaskRef(task_key(u, dual))),
                 {"workers": [gpu_workers[g]], "allow_other_workers": False,
                  "resources": {"GPU" if copies == "slot" else "DOWN": 1}})
         return key
@@ -112,7 +151,7 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         if key not in layers.get(f"up-{g}", {}):
             source = task_key(u, dual) if where[u] < 0 else down(u)
             seconds = machine.h2d_s(costs.nbytes[u]) * dilation
-            add(f"up-{g}", key, Task(key, _sleep, seconds, TaskRef(source)),
+            add(f"up-{g}", key, Task(key, _sleep_copy, "up", seconds, TaskRef(source)),
                 {"workers": [gpu_workers[g]], "allow_other_workers": False,
                  "resources": {"GPU" if copies == "slot" else "UP": 1}})
         return key
@@ -122,9 +161,12 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         if i in dual:
             inputs = [task_key(u, dual) if where[u] < 0 else down(u) for u in costs.deps[i]]
             thread_s = costs.cpu_s[i] * dilation
+            copy_in, copy_back = dual_copy_seconds(costs, machine, i)
             slot_s = dual_slot_seconds(costs, machine, i) * dilation
             key = task_key(i, dual)
-            add("dual", key, Task(key, _sleep_dual, thread_s, slot_s, *map(TaskRef, inputs)),
+            add("dual", key, Task(key, _sleep_dual, thread_s, copy_in * dilation,
+                                  (costs.gpu_s[i] or 0.0) * dilation, copy_back * dilation,
+                                  *map(TaskRef, inputs)),
                 {"eugo": {"role": DUAL_ROLE, "cpu_s": thread_s, "est_s": slot_s}})
             continue
         if g < 0:

@@ -106,7 +106,7 @@ def test_dual_from_bounds_the_band_and_gpu_dominated_tasks_stay_fixed():
 
 def test_a_bad_dispatch_setting_names_the_key_and_the_values():
     with dask.config.set({**DUAL, "eugo.dispatch": "dynamic"}), pytest.raises(
-            ValueError, match=r"eugo.dispatch must be one of \['static', 'dual'\]; got 'dynamic'"):
+            ValueError, match=r"eugo.dispatch must be one of \['static', 'dual', 'balanced'\]; got 'dynamic'"):
         explain(seed_elementwise())
     with dask.config.set({**DUAL, "eugo.dual-from": -1}), pytest.raises(
             ValueError, match="eugo.dual-from must be a number >= 0; got -1"):
@@ -200,3 +200,35 @@ def test_the_gpu_worker_dying_mid_dispatch_hangs_nothing(tmp_path):
     np.testing.assert_array_equal(result, expected)
     # those sent to the dead worker were sent again: more decisions than tasks
     assert sent["gpu"] > 0 and sent["gpu"] + sent["cpu"] > 64, sent
+
+
+# ---------------------------------------------------------------------------------------------
+# eugo.dispatch: balanced on a cluster: the split made for the cluster's own shape
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_balanced_places_for_the_cluster_it_runs_on(tmp_path):
+    """The seed's transform: for the profile's machine (32 threads, a thread for each of the
+    16 chunks) it stays on the CPU under either dispatch; on a cluster of one CPU thread and
+    two emulated GPU workers the pass, run on the scheduler, places for that cluster: the
+    chunks run on the GPU workers, and the result is plain Dask's."""
+    from .cluster import SETTINGS, placements, process_cluster
+
+    x = seed_elementwise()
+    with dask.config.set(optimizations=[]):
+        expected = x.compute(scheduler="sync")
+    balanced = {**SETTINGS, "eugo.min-speedup": 2, "eugo.dispatch": "balanced"}
+    with dask.config.set({**balanced, "eugo.device": "none"}):
+        assert explain(x).gpu_keys == []  # (the profile's machine)
+    workers = {"gpu-1": {"gpu": True}, "gpu-2": {"gpu": True}, "cpu": {"nthreads": 1}}
+    with process_cluster(tmp_path, workers=workers) as (_, client):
+        with dask.config.set({**SETTINGS, "eugo.min-speedup": 2}):  # static: on the CPU
+            np.testing.assert_array_equal(client.compute(x).result(timeout=120), expected)
+        assert not [k for k, role, _ in placements(client) if role == "gpu"]
+        with dask.config.set(balanced):
+            result = client.compute(x).result(timeout=120)
+        assert type(result) is np.ndarray and result.dtype == expected.dtype
+        np.testing.assert_array_equal(result, expected)
+        ran = [(key_split(k), w) for k, role, w in placements(client) if role == "gpu"]
+        assert ran and {w for _, w in ran} <= {"gpu-1", "gpu-2"}, ran
+        assert client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].errors) == 0

@@ -249,11 +249,17 @@ def check_makespan(out: str) -> None:
     assert len(rows) == 8 * 2
     for row in rows:
         ratios = [float(cell[:-1]) for cell in row if re.fullmatch(r"\d+\.\d+x", cell)]
-        assert len(ratios) == 7 and min(ratios) >= 1.0, row
+        assert len(ratios) == 8 and min(ratios) >= 1.0, row
     assert "worst makespan / bound, by policy: static" in out
-    # where the bound uses both kinds of device, dual is never slower than the static plan
-    gains = re.search(r"static / dual on \d+ graph x machine \(mixed\): ([\d.]+)x to", out)
-    assert gains and float(gains.group(1)) >= 1.0, out[-400:]
+    # where the bound uses both kinds of device, dual and eugo (balanced) are never slower
+    # than the static plan
+    for policy in ("dual", "eugo"):
+        gains = re.search(rf"static / {policy} on \d+ graph x machine \(mixed\): ([\d.]+)x to",
+                          out)
+        assert gains and float(gains.group(1)) >= 1.0, out[-400:]
+    # and eugo is never 5% slower than the better of all-CPU and all-GPU
+    worst = re.search(r"eugo / the better of all-cpu and all-gpu: [\d.]+x to ([\d.]+)x", out)
+    assert worst and float(worst.group(1)) <= 1.05, out[-400:]
 
 
 def check_copy_engine(out: str) -> None:

@@ -489,3 +489,118 @@ def test_a_creation_fused_into_its_consumer_leaves_the_placement_alike(fast_link
     assert {d.device for d in fused} == {d.device for d in joint if "exp" in d.detail} == {"gpu"}
     assert "creation on the host either way" in fused[0].reason
     assert moved_bytes(joint) <= moved_bytes(alone) + moved_bytes(eugo_dask.explain(x.std()))
+
+
+# ---------------------------------------------------------------------------------------------
+# eugo.dispatch: balanced: each layer where the makespan bound's split on the machine puts it
+# ---------------------------------------------------------------------------------------------
+def _seed_transform(n=4096, chunk=1024):
+    """The seed's transform with its creation fused in: 16 chunks of 1024², 4.73 ms each on
+    a thread; on a device each pays 4 MiB back over a 4 GB/s link (1.05 ms)."""
+    x = da.random.default_rng(0).random((n, n), chunks=chunk, dtype=np.float32)
+    return da.exp(-x * x) * da.sin(x)
+
+
+def _machine(threads, gpus, **link):
+    from eugo_dask.schedule import Machine
+
+    rates = {"h2d_bytes_per_s": 8.3e9, "d2h_bytes_per_s": 4.0e9, "latency_s": 1e-5, **link}
+    return Machine(cpu_threads=threads, gpus=gpus, name=f"{threads}c+{gpus}g", **rates)
+
+
+def _balanced(collection, machine, **settings):
+    with dask.config.set({"eugo.profile": H200_SERVER, "eugo.device": "none",
+                          "eugo.dispatch": "balanced", **settings}):
+        return eugo_dask.explain(collection, machine=machine)
+
+
+def test_balanced_splits_a_layer_where_neither_kind_of_device_can_take_it_alone():
+    """On 8 threads and 2 GPUs the 16 chunks split: the threads take one round of 8 (4.73 ms),
+    the devices 4 each (about 1.05 ms apiece, their copies back): both finish near 4.7 ms, where
+    all on the threads takes two rounds (9.46 ms) and all on the devices 8 each (9.65 ms). The
+    static plan keeps every chunk on the CPU (the copy back loses the margin)."""
+    from eugo_dask.schedule import simulate
+
+    machine = _machine(8, 2)
+    with dask.config.set({"eugo.profile": H200_SERVER, "eugo.device": "none"}):
+        static = eugo_dask.explain(_seed_transform(), machine=machine)
+    plan = _balanced(_seed_transform(), machine)
+    assert len(static.gpu_keys) == 0
+    assert len(plan.gpu_keys) == 8 and len(plan) == 16
+    layer = {d.share for d in plan}
+    assert layer == {0.5}  # (one layer: one share)
+    assert "the makespan bound's split puts 50% of its layer on the GPU" in plan[plan.gpu_keys[0]].reason
+    costs = plan.schedule.costs
+    ours = simulate(costs, machine, "static").makespan_s
+    assert ours < min(simulate(costs, machine, p).makespan_s for p in ("all-cpu", "all-gpu"))
+    assert plan.schedule.predicted.makespan_s == pytest.approx(ours)
+    assert ours >= plan.schedule.bound.seconds
+
+
+def test_balanced_follows_the_machine_it_is_given():
+    """The same layer: with a thread per chunk it stays on the CPU; with few threads and four
+    GPUs it goes wholly to the devices."""
+    assert _balanced(_seed_transform(), _machine(16, 1)).gpu_keys == []
+    many_gpus = _balanced(_seed_transform(), _machine(8, 4))
+    assert len(many_gpus.gpu_keys) == 16
+    assert {d.share for d in many_gpus} == {1.0}
+
+
+def test_balanced_puts_on_the_devices_what_the_margin_kept_on_few_threads():
+    """A matmul chain in 256² chunks: the profile's 32 threads beat the copies (the static plan
+    keeps every product on the CPU), 2 threads do not: balanced offloads the products on
+    2 threads and 4 GPUs, and the model's makespan falls many times over."""
+    a = da.random.default_rng(0).random((1024, 1024), chunks=256, dtype=np.float32)
+    graph = (a @ a).sum()
+    machine = _machine(2, 4)
+    with dask.config.set({"eugo.profile": H200_SERVER, "eugo.device": "none"}):
+        static = eugo_dask.explain(graph, machine=machine)
+    plan = _balanced(graph, machine)
+    assert static.gpu_keys == []
+    products = [d for d in plan if d.op == "matmul"]
+    assert products and all(d.device == "gpu" and d.share == 1.0 for d in products)
+    assert plan.schedule.predicted.makespan_s * 10 < static.schedule.predicted.makespan_s
+
+
+def test_balanced_keeps_on_the_cpu_what_a_slow_link_makes_not_worth_it():
+    """2048² matmul products go to the GPU by the margin (the profile's link); on a machine of
+    64 threads whose link moves 100 MB/s, the bound's split keeps them on the CPU, and the
+    model finishes sooner so."""
+    a = da.random.default_rng(0).random((4096, 4096), chunks=2048, dtype=np.float32)
+    graph = (a @ a).sum()
+    machine = _machine(64, 1, h2d_bytes_per_s=1e8, d2h_bytes_per_s=1e8)
+    with dask.config.set({"eugo.profile": H200_SERVER, "eugo.device": "none"}):
+        static = eugo_dask.explain(graph, machine=machine)
+    plan = _balanced(graph, machine)
+    assert static.gpu_keys and not plan.gpu_keys
+    assert plan.schedule.predicted.makespan_s < static.schedule.predicted.makespan_s
+
+
+def test_balanced_leaves_min_speedup_0_and_data_movement_as_static_places_them():
+    a = da.random.default_rng(0).random((1024, 1024), chunks=256, dtype=np.float32)
+    graph = (a.T + 1).sum()
+    with dask.config.set({"eugo.profile": H200_SERVER, "eugo.device": "none"}):
+        everything = eugo_dask.explain(graph, min_speedup=0)
+    balanced = _balanced(graph, _machine(32, 1), **{"eugo.min-speedup": 0})
+    assert balanced.gpu_keys == everything.gpu_keys
+    assert all(d.share is None for d in balanced)
+
+
+def test_balanced_computes_what_plain_dask_computes(emulated, h200_server):
+    """Placed by the bound's split on the profile's machine (32 threads, 1 GPU: it offloads a
+    third of a matmul's 256² products, which the margin keeps on the CPU, and the FFTs),
+    computed on the emulated device: plain Dask's values and types."""
+    x = da.random.default_rng(1).random((1024, 1024), chunks=256, dtype=np.float32)
+    y = da.random.default_rng(2).random((1024, 2048), chunks=(256, 2048), dtype=np.float32)
+    graphs = [(x @ x).sum(), (x @ x.T).mean(axis=0), da.fft.fft(y, axis=1).real.std(),
+              da.exp(-x * x) * da.sin(x), (x + 1)[::2].std()]
+    with dask.config.set(optimizations=[]):
+        expected = dask.compute(*graphs, scheduler="sync")
+    with dask.config.set({"eugo.dispatch": "balanced", "eugo.min-speedup": 2}):
+        assert len(eugo_dask.explain(graphs[0]).gpu_keys) > 0
+        assert len(eugo_dask.explain(graphs[0], dispatch="static").gpu_keys) == 0
+        got = dask.compute(*graphs, scheduler="sync")
+    assert eugo_dask.device_stats()["tasks"] > 0
+    for e, g in zip(expected, got):
+        assert type(g) is type(e) and g.dtype == e.dtype and g.shape == e.shape
+        np.testing.assert_array_equal(g, e)

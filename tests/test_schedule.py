@@ -37,12 +37,20 @@ def test_a_chain_is_bound_by_its_path_at_the_faster_device():
 
 def test_independent_tasks_split_so_both_kinds_finish_together():
     # 6 tasks of 1 s on a thread or 0.5 s on the device; 2 threads, 1 GPU: a task's rate is 1/s
-    # per thread, 2/s on the device, so the split gives the device half: 6 / (2 + 2) = 1.5 s
+    # per thread, 2/s on the device, so the split of divisible work gives the device half:
+    # 6 / (2 + 2) = 1.5 s. The parts bound is that split
     c = costs([1.0] * 6, [0.5] * 6, [()] * 6, outputs=set())
-    for bound in (lower_bound(c, ONE_GPU), _parts(c, ONE_GPU)):
-        assert bound.seconds == pytest.approx(1.5, rel=1e-5)  # (the LP's, less its tolerance)
-        assert bound.gpu_share == pytest.approx(0.5)
-        assert bound.mixed
+    parts = _parts(c, ONE_GPU)
+    assert parts.seconds == pytest.approx(1.5, rel=1e-5)
+    assert parts.gpu_share == pytest.approx(0.5)
+    assert parts.mixed
+    # the LP counts whole tasks: under 2 s a thread runs one task (its second would end at 2 s),
+    # so 4 go to the device, which takes 2 s; every split of whole tasks takes 2 s, and the
+    # bound is that (less the solver's tolerance)
+    lp = lower_bound(c, ONE_GPU)
+    assert lp.seconds == pytest.approx(2.0, rel=1e-5)
+    assert lp.mixed
+    assert min(simulate(c, ONE_GPU, p).makespan_s for p in POLICIES) == pytest.approx(2.0)
 
 
 def _parts(c: Costs, machine: Machine):
@@ -235,3 +243,161 @@ def test_the_lp_is_limited_by_its_work_not_the_clock():
     assert lower_bound(c, ONE_GPU, lp_iterations=1).method == "parts"
     limited = lower_bound(c, ONE_GPU, lp_iterations=100_000)
     assert (limited.method, limited.seconds) == (full.method, full.seconds)
+
+
+def test_a_task_too_long_for_a_thread_is_bound_whole_on_the_device():
+    """Four 1 GB host chunks, each read by a task of 10 s on the one thread or 0.1 s on the
+    device: under 10 s every task runs on the device, so all four chunks cross the 1 GB/s link
+    (4 s) before the last kernel (0.1 s). The LP with divisible tasks let each be 9/10 on the
+    device and 9/10 copied, and read 3.64 s: below every schedule (the review's matmul on
+    8 threads + 4 GPUs: its bound left out that each product runs whole)."""
+    gb = 10**9
+    c = costs([0.0] * 4 + [10.0] * 4, [None] * 4 + [0.1] * 4, [()] * 4 + [(i,) for i in range(4)],
+              nbytes=[gb] * 4 + [0] * 4, outputs={4, 5, 6, 7}, placement=[False] * 4 + [True] * 4)
+    machine = Machine(cpu_threads=1, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    bound = lower_bound(c, machine)
+    assert bound.seconds == pytest.approx(4.1, rel=1e-5)
+    assert simulate(c, machine, "static").makespan_s == pytest.approx(4.1)
+
+
+def test_copies_wait_for_the_host_work_that_makes_what_they_copy():
+    """Four chains, each a creation of 1 s on a thread making 1 GB, then a task of 100 s on a
+    thread or 0.1 s on the device: the link can copy nothing before the first creation ends
+    (1 s), and after its last copy a kernel must still run: 1 + 4 + 0.1 s. The LP had the
+    link's 4 s of copies anywhere below the makespan (it read 4 s)."""
+    gb = 10**9
+    c = costs([1.0] * 4 + [100.0] * 4, [None] * 4 + [0.1] * 4,
+              [()] * 4 + [(i,) for i in range(4)], nbytes=[gb] * 4 + [0] * 4,
+              outputs={4, 5, 6, 7}, placement=[False] * 4 + [True] * 4)
+    machine = Machine(cpu_threads=4, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    assert lower_bound(c, machine).seconds == pytest.approx(5.1, rel=1e-5)
+    assert simulate(c, machine, "static").makespan_s == pytest.approx(5.1)
+
+
+def test_a_copy_task_runs_as_soon_as_the_value_it_copies_is_made():
+    """GPU task 4 reads a 1 GB chunk made at once and the result of a 5 s host task; GPU task 5
+    reads a 1 GB chunk a 4 s host task makes. eugo's copies are tasks of their own: the first
+    chunk crosses the link while the host tasks run, the second at 4 s, and both kernels run by
+    5.2 s. The model copied a chunk only once its reader was ready: the second chunk took the
+    link at 4 s, the first waited for it and its kernel ended at 6.1 s."""
+    gb = 10**9
+    c = costs([0.0, 5.0, 4.0, 0.0, 10.0, 10.0], [None, None, None, None, 0.1, 0.1],
+              [(), (), (), (2,), (0, 1), (3,)], nbytes=[gb, 0, 0, gb, 0, 0], outputs={4, 5},
+              placement=[False, False, False, False, True, True])
+    machine = Machine(cpu_threads=2, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    assert simulate(c, machine, "static").makespan_s == pytest.approx(5.2)
+
+
+def test_a_dual_task_copies_on_the_link_other_copies_use():
+    """A dual task sent to the idle GPU copies its 1 GB input on the link a copy task of 4 GB
+    took first: its copy waits for that one, and the kernel that copy feeds waits for the dual
+    task's slot. The model had a dual task's copies beside the link's and ended at 4.6 s,
+    below the bound: the link alone carries 5 GB."""
+    gb = 10**9
+    c = costs([0.0, 0.0, 4.5, 50.0, 50.0], [None, None, None, 0.1, 0.1],
+              [(), (), (), (0, 2), (1,)], nbytes=[4 * gb, gb, 0, 0, 0], outputs={3, 4},
+              placement=[False, False, False, True, False])
+    c.dual = frozenset({4})
+    machine = Machine(cpu_threads=1, gpus=1, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    made = simulate(c, machine, "dual")
+    assert made.assignment[4] == 0  # (on the GPU: 50 s on the thread)
+    # its copy after the 4 GB one (4 s to 5 s), its kernel, then the other kernel
+    assert made.makespan_s == pytest.approx(5.2)
+    assert made.makespan_s >= lower_bound(c, machine).seconds > 5.0
+
+
+def test_the_bound_is_below_every_placement_of_small_graphs():
+    """Random graphs of up to six tasks and random layers of like tasks: every placement, in
+    two orders, with copies on the links or in the slot, and dual tasks, takes at least the
+    bound (whole tasks, windows and rounds included)."""
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    for trial in range(120):
+        if trial % 2:
+            n = rng.randint(2, 6)
+            deps = [tuple(sorted(rng.sample(range(i), rng.randint(0, min(i, 3)))))
+                    for i in range(n)]
+            cpu = [rng.choice([0.0, rng.uniform(0.001, 2.0), rng.uniform(1, 20)])
+                   for _ in range(n)]
+            gpu = [rng.choice([None, rng.uniform(0.0001, 1.0)]) for _ in range(n)]
+            nbytes = [rng.choice([0, rng.randint(1, 10**9)]) for _ in range(n)]
+        else:  # two layers of like tasks
+            w1, w2 = rng.randint(1, 6), rng.randint(1, 6)
+            n = w1 + w2
+            c1, c2 = rng.uniform(0.01, 5), rng.uniform(0.01, 5)
+            g1, g2 = rng.choice([None, rng.uniform(0.01, 1)]), rng.uniform(0.01, 1)
+            deps = [()] * w1 + [(rng.randrange(w1),) for _ in range(w2)]
+            cpu, gpu = [c1] * w1 + [c2] * w2, [g1] * w1 + [g2] * w2
+            b1, b2 = rng.randint(0, 10**9), rng.randint(0, 10**9)
+            nbytes = [b1] * w1 + [b2] * w2
+        outputs = {n - 1} | {i for i in range(n) if rng.random() < 0.2}
+        machine = Machine(cpu_threads=rng.randint(1, 4), gpus=rng.randint(1, 3),
+                          h2d_bytes_per_s=rng.choice([1e8, 1e9]),
+                          d2h_bytes_per_s=rng.choice([1e8, 1e9]),
+                          latency_s=rng.choice([0.0, 0.01, 1.0]))
+        bound = lower_bound(costs(cpu, gpu, deps, nbytes=nbytes, outputs=outputs), machine)
+        capable = [i for i in range(n) if gpu[i] is not None]
+        for bits in itertools.product([False, True], repeat=len(capable)):
+            placement = [False] * n
+            for i, on in zip(capable, bits):
+                placement[i] = on
+            c = costs(cpu, gpu, deps, nbytes=nbytes, outputs=outputs, placement=placement)
+            for order in (list(range(n)), rng.sample(range(n), n)):
+                c.priority = order
+                for copies in ("link", "slot"):
+                    made = simulate(c, machine, "static", copies=copies).makespan_s
+                    assert made >= bound.seconds, (trial, bits, copies)
+            c.dual = frozenset(i for i in capable if not placement[i])
+            assert simulate(c, machine, "dual").makespan_s >= bound.seconds, (trial, bits)
+
+
+def test_the_split_of_a_layer_is_rounded_to_whole_rounds_on_both_kinds_of_unit():
+    """Fourteen like tasks, 1 s on a thread or 0.4 s on a device, on 2 threads and 4 GPUs:
+    divisible, the threads (2/s) and the devices (10/s) would share them to end at 1.17 s. Whole
+    tasks: 12 on the devices (3 rounds, 1.2 s) and 2 on the threads (one round, 1 s); all 14 on
+    the devices take 4 rounds (1.6 s), 10 leave the threads two rounds (2 s). By hand, 12."""
+    from eugo_dask.schedule import balanced_shares
+
+    group = Costs(keys=["layer"], cpu_s=[1.0], gpu_s=[0.4], nbytes=[0], deps=[()],
+                  outputs=frozenset(), placement=[False], counts=[14])
+    machine = Machine(cpu_threads=2, gpus=4, h2d_bytes_per_s=GB, d2h_bytes_per_s=GB)
+    found = balanced_shares(group, machine)
+    assert found is not None
+    bound, shares = found
+    assert shares == {0: pytest.approx(12 / 14)}
+    assert bound.seconds == pytest.approx(1.2, rel=1e-5)
+    # the same tasks one by one: the bound sees whole tasks and rounds too, and 12 on the
+    # devices reach it
+    tasks = costs([1.0] * 14, [0.4] * 14, [()] * 14, outputs=set())
+    assert lower_bound(tasks, machine).seconds == pytest.approx(1.2, rel=1e-5)
+    placed = costs([1.0] * 14, [0.4] * 14, [()] * 14, outputs=set(),
+                   placement=[True] * 12 + [False] * 2)
+    assert simulate(placed, machine, "static").makespan_s == pytest.approx(1.2)
+
+
+def test_work_by_group_counts_a_layer_s_chunks_together():
+    """The seed's transform (16 chunks, each fused with its creation) is one group of 16 that
+    reads its fused creations (a group of 16 host values of a chunk's bytes), and each task's
+    group is given."""
+    from dask.array.optimization import optimize as dask_array_optimize
+
+    from eugo_dask.describe import describe_graph
+    from eugo_dask.graph import ChunkInfo, task_spec_dict
+    from eugo_dask.profile import load_profile
+    from eugo_dask.schedule import work_by_group
+
+    x = da.random.default_rng(0).random((4096, 4096), chunks=1024, dtype="float32")
+    y = da.exp(-x * x) * da.sin(x)
+    graph = task_spec_dict(dask_array_optimize(y.__dask_graph__(), y.__dask_keys__()))
+    description = describe_graph(graph, ChunkInfo.from_graph(y.__dask_graph__()),
+                                 load_profile({"base": "h200", "cpu": "server-x86"}), None)
+    groups, of_task = work_by_group(description, y.__dask_keys__(), cpu_threads=32)
+    assert len(of_task) == len(description.task_keys) == 16
+    (layer,) = set(of_task)
+    assert groups.counts[layer] == 16 and groups.gpu_s[layer] is not None
+    (source,) = groups.deps[layer]
+    assert groups.counts[source] == 16 and groups.gpu_s[source] is None
+    assert groups.nbytes[source] == 1024 * 1024 * 4  # (a chunk's bytes, made on the host)
+    assert groups.outputs == {layer}

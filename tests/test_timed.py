@@ -69,3 +69,24 @@ def test_dual_tasks_are_placed_at_run_time_by_the_plugin_and_never_beat_the_boun
     ran = [run.ran[i] for i in range(2, 10)]
     assert -1 in ran and any(g >= 0 for g in ran), ran  # both kinds of worker
     assert run.makespan_s >= lower_bound(c, MACHINE).seconds
+
+
+def test_a_dual_task_on_a_gpu_slot_copies_holding_its_worker_s_link(monkeypatch):
+    """A dual task granted the slot sleeps its copy in holding the worker's link up, its
+    kernel holding neither, its copy back holding the link down: the locks copy tasks hold
+    too, so a dual task's copies and the copy tasks' take turns, as on a real link."""
+    from eugo_dask import timed
+
+    held = []
+    monkeypatch.setattr(timed, "granted_resources", lambda: {"GPU": 1})
+    monkeypatch.setattr(timed.time, "sleep", lambda seconds: held.append(
+        (seconds, timed._link("up").locked(), timed._link("down").locked())))
+    assert timed._sleep_dual(9.0, 1.0, 2.0, 3.0) == 0
+    assert held == [(1.0, True, False), (2.0, False, False), (3.0, False, True)]
+    held.clear()
+    monkeypatch.setattr(timed, "granted_resources", lambda: {})  # a CPU thread: its CPU time
+    timed._sleep_dual(9.0, 1.0, 2.0, 3.0)
+    assert held == [(9.0, False, False)]
+    held.clear()
+    timed._sleep_copy("down", 4.0)
+    assert held == [(4.0, False, True)]
