@@ -10,12 +10,16 @@ Reach it as ``scheduler.plugins["eugo"]`` (the metrics and the dashboard do; no 
 own). What it does with the annotations the rewrite puts on every task
 (:class:`~eugo_dask.rewrite.TaskRoles`):
 
-- device work and transfers ask for the worker resource (``eugo.resource``, ``GPU``), so they run
-  on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four),
-  beside the resources the user asked of them (copies ask for none of the slot, and are
-  restricted to the GPU workers, which a worker advertising the resource at 0 is not): the
-  plugin adds it here to what the scheduler applied (the pass leaves it to the plugin, since
-  its per-key annotation would replace the resources given to ``client.compute``). The pass
+- device work asks for the worker resource (``eugo.resource``, ``GPU``), so it runs on workers
+  that advertise it, one task per resource unit (``--resources GPU=4`` runs four), beside the
+  resources the user asked of it: the plugin adds it here to what the scheduler applied (the
+  pass leaves it to the plugin, since its per-key annotation would replace the resources given
+  to ``client.compute``). Copies (and reads' tokens) are restricted to the GPU workers instead,
+  asking for no resource of eugo's: a worker runs the tasks that ask for resources from one
+  queue whose head blocks the rest, so a copy asking for none of the slot still waited behind
+  kernels waiting for it; kept to the GPU workers by worker restrictions, a copy runs on the
+  next free thread (where the user named workers or hosts for it, or no GPU worker has joined
+  yet, it asks for ``{GPU: 0}``, which only workers advertising the resource meet). The pass
   leaves a graph on the CPU where no worker advertises the resource it would ask for; when the
   last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their CPU
   path on the workers there are;
@@ -251,6 +255,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         rerouted: list[TaskState] = []
         usage = self._new_usage(scheduler, roles)
         asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
+        kept: dict[int, dict[str, Any] | None] = {}  # those, for a copy: without the GPU's
         fits: dict[Any, bool] = {}
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
@@ -273,9 +278,11 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self.gpu_keys.add(key)
                 wanted = self._asking_for_device(ts, kind, asked)
                 if self._device_fits(scheduler, ts, wanted, fits):
-                    ts.resource_restrictions = wanted
-                    if kind in SLOTLESS_ROLES:  # (copies and reads' tokens ask for none of the slot)
-                        self._keep_on_gpu_workers(ts)
+                    # (copies and reads' tokens: on the GPU workers, asking for no slot at all)
+                    if kind in SLOTLESS_ROLES and self._keep_on_gpu_workers(ts):
+                        ts.resource_restrictions = _without_slot(wanted, self.resource, kept)
+                    else:
+                        ts.resource_restrictions = wanted
                 else:  # (or the GPU workers left between planning and now)
                     self._run_on_cpu(ts)
                     rerouted.append(ts)
@@ -314,18 +321,26 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             wanted = asked[request] = device_request(role, self.resource, user)
         return wanted
 
-    def _keep_on_gpu_workers(self, ts: TaskState) -> None:
-        """Restrict copy ``ts`` to the GPU workers, where the user named no workers or hosts.
+    def _keep_on_gpu_workers(self, ts: TaskState) -> bool:
+        """Restrict copy ``ts`` to the GPU workers, where the user named no workers or hosts
+        and a GPU worker is there; whether it did.
 
-        A copy asks for none of the GPU slot (``{resource: 0}``), and a worker that advertises
-        the resource at 0 (``--resources GPU=0``, a CPU worker to eugo) meets that too: a copy
-        sent there passes its chunk through (no device), and every kernel that reads the chunk
-        copies it again (a matmul's copies to the device 15x the plan's). Kept current as GPU
-        workers come and go (:meth:`_worker_joined`, :meth:`_worker_left`)."""
+        Kept there by its worker restrictions, a copy asks for no resource of eugo's: a worker
+        runs every task that asks for a resource from one queue, in priority order, whose head
+        stops the rest while its resources are taken (``_ensure_computing`` in
+        ``distributed/worker_state_machine.py``), so a copy asking for none of the slot
+        (``{resource: 0}``) waited behind kernels of higher priority waiting for the slot, a
+        thread free beside them. Asking for nothing, it runs on the next free thread.
+        Otherwise it asks for ``{resource: 0}``, which only workers advertising the resource
+        meet: a worker advertising it at 0 (``--resources GPU=0``, a CPU worker to eugo) meets
+        it too, and a copy sent there passes its chunk through (no device), every kernel that
+        reads the chunk copying it again (a matmul's copies to the device 15x the plan's).
+        Kept current as GPU workers come and go (:meth:`_worker_joined`, :meth:`_worker_left`)."""
         if ts.worker_restrictions or ts.host_restrictions or not self._gpu_addresses:
-            return
+            return False
         ts.worker_restrictions = set(self._gpu_addresses)
         self.copy_restricted.add(ts.key)
+        return True
 
     def _device_fits(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any],
                      fits: dict[Any, bool]) -> bool:
@@ -340,7 +355,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             return False
         workers, hosts = ts.worker_restrictions, ts.host_restrictions
         restriction = (frozenset(workers) if workers else None,
-                       frozenset(hosts) if hosts else None, id(wanted))
+                       frozenset(hosts) if hosts else None, frozenset(wanted.items()))
         fit = fits.get(restriction)
         if fit is None:
             named = {scheduler.coerce_hostname(h) for h in hosts} if hosts else set()
@@ -373,8 +388,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         pace_keys = self.pace_keys  # (reads' tokens wait for device work: they are none)
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key) if key not in pace_keys else None
-            if (ts is not None and ts.state in _BACKLOG and ts.resource_restrictions
-                    and self.resource in ts.resource_restrictions):
+            if ts is not None and ts.state in _BACKLOG and (
+                    key in self.copy_restricted  # (a copy kept there asks for no resource)
+                    or self.resource in (ts.resource_restrictions or ())):
                 count += 1
         return count
 
@@ -443,7 +459,6 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.workers_without_device.pop(worker, None)
         self.invalid_settings.pop(worker, None)
         _disallow_worker(scheduler, self.host_restricted, worker)
-        _disallow_worker(scheduler, self.copy_restricted, worker)
         if worker not in self._gpu_addresses:  # (GPU tasks' fits are the GPU workers')
             return
         self._gpu_addresses.discard(worker)
@@ -451,10 +466,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         fits: dict[Any, bool] = {}
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state not in _WAITING:
+            if ts is None:
                 continue
-            wanted = ts.resource_restrictions
-            if (not wanted or self.resource not in wanted  # running its CPU path already
+            wanted = self._copy_left_worker(ts, worker) if key in self.copy_restricted else (
+                ts.resource_restrictions)
+            if (ts.state not in _WAITING or not wanted
+                    or self.resource not in wanted  # running its CPU path already
                     or self._device_fits(scheduler, ts, wanted, fits)):
                 continue
             self._run_on_cpu(ts)
@@ -466,6 +483,25 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if stuck:
             scheduler.transitions({k: "processing" for k in stuck},
                                   stimulus_id=f"eugo-reroute-{stimulus_id}")
+
+    def _copy_left_worker(self, ts: TaskState, worker: str) -> dict[str, Any]:
+        """Take GPU worker ``worker``, which left, out of the restrictions of copy ``ts`` (kept
+        to the GPU workers, :meth:`_keep_on_gpu_workers`), and return what it asks for with the
+        GPU resource's ``{resource: 0}``. Where no GPU worker is left, the copy asks for
+        ``{resource: 0}`` again and is kept by its worker restrictions no more (a copy
+        restricted to no worker could run anywhere): it waits for a GPU worker to start where
+        GPU workers start on demand, and is re-routed to its CPU path otherwise (by the
+        caller, which tells which from what it asks for)."""
+        wanted = {self.resource: 0, **(ts.resource_restrictions or {})}
+        if ts.worker_restrictions:
+            ts.worker_restrictions.discard(worker)
+        if not ts.worker_restrictions and self._gpu_addresses:  # (one that joined since it ran)
+            ts.worker_restrictions = set(self._gpu_addresses)
+        elif not ts.worker_restrictions:
+            ts.worker_restrictions = None
+            ts.resource_restrictions = wanted
+            self.copy_restricted.discard(ts.key)
+        return wanted
 
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if (self.dual.costs or self.dual.charged) and (start == "processing"
@@ -862,6 +898,17 @@ def _restricted(ts: TaskState) -> bool:
     return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
 
 
+def _without_slot(wanted: dict[str, Any], resource: str, kept: dict[int, dict[str, Any] | None]
+                  ) -> dict[str, Any] | None:
+    """What a copy kept to the GPU workers by worker restrictions asks for: ``wanted`` without
+    eugo's ``{resource: 0}`` (the user's own resources; None where they asked for none). One
+    dict per distinct request, as ``wanted`` is, in ``kept``."""
+    if id(wanted) not in kept:
+        kept[id(wanted)] = {r: n for r, n in wanted.items()
+                            if not (r == resource and n == 0)} or None
+    return kept[id(wanted)]
+
+
 def _allow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
     """Add ``worker``, which joined, to the restrictions the plugin gave the pending tasks
     ``keys`` (host tasks to CPU workers, copies to GPU workers)."""
@@ -872,8 +919,8 @@ def _allow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
 
 
 def _disallow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
-    """Take ``worker``, which left, out of the restrictions the plugin gave the tasks ``keys``;
-    a task restricted to no worker left is restricted no more."""
+    """Take ``worker``, which left, out of the restrictions the plugin gave the host tasks
+    ``keys`` (loose ones); a task restricted to no worker left is restricted no more."""
     for key in keys:
         ts = scheduler.tasks.get(key)
         if ts is not None and ts.worker_restrictions:

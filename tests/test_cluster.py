@@ -20,7 +20,7 @@ import pytest
 from dask.array.utils import assert_eq
 from dask.utils import key_split
 from distributed import Client, span
-from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 import eugo_dask
 from eugo_dask.plugin import MAX_PREFIXES, EugoSchedulerPlugin
@@ -387,6 +387,45 @@ def test_copies_overlap_kernels_on_a_gpu_worker(tmp_path):
     assert overlapping, "no copy ran while a kernel held the GPU slot"
 
 
+class CopyStarts(WorkerPlugin):
+    """On each worker: for every copy as it starts, whether a task of higher priority (a kernel,
+    in Dask's order before it) waited in the worker's queue of tasks that ask for resources."""
+
+    name = "copy-starts"
+
+    def setup(self, worker):
+        self.worker = worker
+        worker.eugo_copy_starts = self.starts = []
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish != "executing" or not key_split(key).startswith("eugo-todevice"):
+            return
+        state = self.worker.state
+        ts = state.tasks[key]
+        self.starts.append(any(other.priority < ts.priority for other in state.constrained))
+
+
+def test_copies_do_not_wait_behind_kernels_waiting_for_the_slot(tmp_path):
+    # a worker takes every task that asks for a resource from one queue, in priority order, and
+    # stops at its head while that task's resources are taken (_ensure_computing): a copy that
+    # asked for none of the slot ({GPU: 0}) started only once every kernel before it had the
+    # slot, its thread free meanwhile. Asking for no resource, it starts on a free thread while
+    # kernels before it wait (on the old code: never, in all 64 copies)
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": ["--preload", SLOW_DEVICE]},
+               "cpu": {}}
+    x = da.from_array(_Lazy((2400, 2400)), chunks=300)  # 64 reads
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        client.register_plugin(CopyStarts())
+        with dask.config.set(SETTINGS):
+            total = float(client.compute(np.exp(np.sin(x)).sum()).result(timeout=120))
+        starts = client.run(lambda dask_worker: dask_worker.eugo_copy_starts)
+        names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+    assert total == pytest.approx(2400 * 2400 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+    by_name = {names[a]: s for a, s in starts.items()}
+    assert len(by_name["gpu"]) >= 64 and not by_name["cpu"], {k: len(v) for k, v in by_name.items()}
+    assert any(by_name["gpu"]), "every copy waited until the kernels before it had the slot"
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Bad settings
 # ---------------------------------------------------------------------------------------------
@@ -625,15 +664,20 @@ def test_every_task_keeps_the_users_restrictions(tmp_path):
             for mode, seen in runs.items():
                 for prefix, resources, worker_restrictions, hosts, loose, ran_on in seen:
                     # every task as the user said, eugo's device tasks on the GPU worker besides:
-                    # kernels hold its slot, copies ask for none of it (they overlap kernels)
-                    # and, where the user named no workers, are kept to the GPU workers
+                    # kernels hold its slot; copies, where the user named no workers, are kept
+                    # to the GPU workers and ask for no resource of eugo's (one that asks for
+                    # none of the slot still waits behind kernels in the worker's queue of
+                    # tasks with resources), and where the user named workers, for none of
+                    # the slot ({GPU: 0}: only workers advertising it meet that)
                     copy = prefix.startswith(("eugo-todevice", "eugo-tohost"))
-                    mine = {"GPU": 0} if copy else {"GPU": 1} if is_device_task(prefix) else {}
+                    mine = (({"GPU": 0} if user["workers"] else {}) if copy else
+                            {"GPU": 1} if is_device_task(prefix) else {})
                     assert resources == {**user["resources"], **mine}, (mode, prefix, resources)
                     assert worker_restrictions == (user["workers"] or ([gpu] if copy else [])), (
                         mode, prefix)
                     assert not hosts and not loose, (mode, prefix)
-                    assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
+                    assert ran_on in user["ran on"] and (ran_on == "gpu" or not (mine or copy)), (
+                        mode, prefix)
             for kind in ("eugo-todevice", "eugo-tohost", "eugo-gpu"):  # each kind was checked
                 assert any(prefix.startswith(kind) for prefix, *_ in device), (kind, device)
             assert {ran_on for *_, ran_on in device} == {"gpu"}
