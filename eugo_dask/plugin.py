@@ -27,9 +27,14 @@ own). What it does with the annotations the rewrite puts on every task
   user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
   Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them.
   Queuing bounds what each worker is processing, not what waits for a consumer on another
-  worker: the pass paces reads whose blocks go to the device (:mod:`eugo_dask.pace`; their
-  tokens, ``eugo-paced-…``, run on GPU workers like copies, holding no GPU slot), and the
-  plugin warns where unpaced reads run ahead of a GPU worker (``benchmarks/root_tasks.py``);
+  worker, and nothing bounds how far copies asking for no slot run ahead of the kernels: the
+  plugin holds reads whose blocks go only to the device, and copies to the device, on the
+  scheduler until the device task W (reads) or A (copies) places before has ended
+  (:mod:`eugo_dask.gates`: a dependency only the scheduler knows, taken away before the task is
+  sent, so nothing is fetched for it; the pass puts W and A in the copies' annotations), and
+  warns where unpaced reads run ahead of a GPU worker (``benchmarks/root_tasks.py``). Where the
+  plugin does not run, the pass paces reads with tokens (:mod:`eugo_dask.pace`, ``eugo-paced-…``,
+  run on GPU workers like copies, holding no GPU slot);
 - a GPU task whose user restrictions no GPU worker meets (``resources={"MEM": 1}`` with ``MEM`` on
   CPU workers only, ``workers=`` naming CPU workers, loose ones) runs its CPU path where they
   allow, with one warning per graph; so do pending ones when the GPU workers that met them leave;
@@ -71,6 +76,7 @@ from distributed.protocol.pickle import dumps
 from eugo_dask.config import check_keys, gpu_workers_on_demand, read_resource
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.dispatch import CPU_UNIT, GPU_UNIT, Ledger, UnitKind
+from eugo_dask.gates import CHECK_MS, Gates
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
@@ -193,6 +199,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.usage: deque[GraphUsage] = deque(maxlen=MAX_USAGE)
         self._usage_of: dict[Key, GraphUsage] = {}
         self.dual = _DualDispatch(self.resource)
+        self.gates = Gates()  # tasks held back until a device task ends (eugo_dask.gates)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
@@ -200,6 +207,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._guard("settings", self._check_own_settings)
         self._guard("metrics", register_metrics, scheduler)
         scheduler.stream_handlers.setdefault(REPORT_OP, functools.partial(_worker_report, scheduler))
+        self._guard("gates", self._watch_gates, scheduler)
         try:
             # (it reports on the stream whose handler is now in place)
             await scheduler.register_worker_plugin(
@@ -208,6 +216,16 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         except Exception:  # never break the scheduler
             self.errors += 1
             logger.exception("eugo scheduler plugin: installing the worker plugin failed")
+
+    def _watch_gates(self, scheduler: Scheduler) -> None:
+        """Start the gates' watchdog (:meth:`~eugo_dask.gates.Gates.check`) on the scheduler's
+        loop; the scheduler stops it when it closes."""
+        from tornado.ioloop import PeriodicCallback
+
+        callback = PeriodicCallback(
+            functools.partial(self._guard, "gates", self.gates.check, scheduler), CHECK_MS)
+        scheduler.periodic_callbacks["eugo-gates"] = callback
+        callback.start()
 
     def _check_own_settings(self) -> None:
         """Say where the scheduler's own ``eugo.*`` settings hold a key eugo does not know (a
@@ -257,11 +275,20 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
         kept: dict[int, dict[str, Any] | None] = {}  # those, for a copy: without the GPU's
         fits: dict[Any, bool] = {}
+        copies: list[Key] = []  # copies to the device, paced to the device tasks
+        device: list[Key] = []
+        pacing = None
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
                 continue
             kind = role.get("role")
+            if kind == GPU_ROLE:
+                device.append(key)
+            elif (kind == TODEVICE_ROLE and _is_count(role.get("ahead"))
+                  and _is_count(role.get("reads_ahead"))):
+                copies.append(key)
+                pacing = (int(role["reads_ahead"]), int(role["ahead"]))
             if kind == PACE_ROLE:  # bookkeeping, not work: in no usage or prefix count
                 self.pace_keys.add(key)
             else:
@@ -292,6 +319,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     ts.worker_restrictions = set(cpu_workers)
                     ts.loose_restrictions = True
                     self.host_restricted.add(key)
+        if pacing is not None and self._gpu_addresses:  # (copies kept to the GPU workers)
+            self.gates.pace(scheduler, [k for k in copies if k in self.copy_restricted], device,
+                            *pacing)
         if rerouted:
             self._say_rerouted(scheduler, rerouted, "GPU-planned tasks", "")
         self.dual.decide_ready(scheduler, [scheduler.tasks[k] for k in roles
@@ -504,6 +534,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         return wanted
 
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if self.gates.held or self.gates.paced:
+            self._guard("gates", self.gates.transition, self.scheduler, key, finish)
         if (self.dual.costs or self.dual.charged) and (start == "processing"
                                                         or finish == "processing"):
             self._guard("dispatch", self.dual.transition, self.scheduler, key, start, finish,
@@ -530,9 +562,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
         worker: distributed queues no task with resource restrictions (dask/distributed#9164),
         so a CPU worker that finished a read takes the next while the device lags behind.
-        Only reads the pass did not pace (:mod:`eugo_dask.pace`) count: a paced read waits for
-        the device (a graph planned elsewhere, ``eugo.read-ahead: null``, or a read whose
-        device task also reads later blocks)."""
+        Only reads not paced (by the plugin, :mod:`eugo_dask.gates`, or the pass's tokens,
+        :mod:`eugo_dask.pace`) count: a paced read waits for the device (unpaced: a graph
+        planned elsewhere, ``eugo.read-ahead: null``, or a read whose gate would not come
+        before it)."""
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         ws = ts.processing_on if ts is not None else None
         if ts is None or ws is None or ws.address in self._backlog_warned:
@@ -544,8 +577,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if checked in self._backlog_checked:
             return
         self._backlog_checked.add(checked)
-        if not any(_unpaced_read(dts) or any(map(_unpaced_read, dts.dependencies))
-                   for dts in ts.dependencies):
+        unpaced = functools.partial(_unpaced_read, gates=self.gates)
+        if not any(unpaced(dts) or any(map(unpaced, dts.dependencies)) for dts in ts.dependencies):
             return
         self._backlog_warned.add(ws.address)
         self._warn(f"eugo: {assigned} tasks are assigned to GPU worker {ws.name}, fed by queued "
@@ -705,6 +738,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "plans": recent_plans(),  # the pass's, in this process (the dashboard shows them)
             "usage": [u.to_dict() for u in self.usage],
             "dual": dict(self.dual.sent),
+            "gates": self.gates.summary(),  # reads and copies held on the scheduler
         }
 
 
@@ -936,9 +970,11 @@ def _is_root(ts: TaskState) -> bool:
     return not ts.dependencies or bool(getattr(run_spec, "data_producer", False))
 
 
-def _unpaced_read(ts: TaskState) -> bool:
-    """A root task (:func:`_is_root`) that the pass did not pace to the device."""
-    return _is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
+def _unpaced_read(ts: TaskState, gates: Gates) -> bool:
+    """A root task (:func:`_is_root`) that neither the pass paced to the device (with a token)
+    nor the plugin (:mod:`eugo_dask.gates`)."""
+    return (_is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
+            and ts.key not in gates.paced)
 
 
 def _is_count(value: Any) -> bool:

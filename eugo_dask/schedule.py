@@ -27,6 +27,11 @@ place that reads it; outputs end on the host.
   them; the links' other copies do not wait for them). Copies run on the
   links (``copies="link"``: eugo's copy tasks ask for none of the GPU slot and overlap the
   kernels) or, as they did when they held the GPU resource, in the device's slot (``"slot"``).
+  On the links, the copies to a device of a device task start no sooner than the device task
+  ``ahead`` places before it (in the order they are placed, over all devices) has ended, as
+  eugo's scheduler plugin holds them (:mod:`eugo_dask.gates`, ``ahead``
+  :func:`~eugo_dask.pace.copies_ahead`); ``ahead=None``: as soon as their value and the link are
+  free, however far ahead of the device.
 
 Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
 """
@@ -48,6 +53,7 @@ from eugo_dask.describe import GraphDescription
 from eugo_dask.dispatch import GPU_UNIT, Ledger
 from eugo_dask.graph import ArraySpec, Key, flatten_keys
 from eugo_dask.ops import GPU
+from eugo_dask.pace import copies_ahead
 from eugo_dask.plan import Plan
 from eugo_dask.profile import Profile
 from eugo_dask.report import format_seconds
@@ -431,8 +437,12 @@ def dual_slot_seconds(costs: Costs, machine: Machine, i: int) -> float:
 class _Run:
     """The state of one simulation: when each unit is next free, where each value is."""
 
-    def __init__(self, costs: Costs, machine: Machine, copies: CopyMode) -> None:
+    def __init__(self, costs: Costs, machine: Machine, copies: CopyMode,
+                 ahead: int | None = None) -> None:
         self.costs, self.machine, self.copies = costs, machine, copies
+        # the copies to the devices run at most `ahead` device tasks ahead (links only)
+        self.ahead = ahead if copies == "link" else None
+        self.device_ends: list[float] = []  # when each device task placed ends, in order
         self.threads = [0.0] * machine.cpu_threads  # a heap of the threads' free times
         g = machine.gpus
         self.gpu_free, self.up_free, self.down_free = [0.0] * g, [0.0] * g, [0.0] * g
@@ -477,18 +487,25 @@ class _Run:
             self.busy["cpu"] += self.costs.cpu_s[i]
         return end
 
+    def copies_from(self) -> float:
+        """When the copies to a device of the next device task placed may start: once the
+        device task ``ahead`` places before it has ended (0: at once)."""
+        ahead, ends = self.ahead, self.device_ends
+        return ends[-ahead] if ahead is not None and 0 < ahead <= len(ends) else 0.0
+
     def gpu_finish(self, i: int, g: int, commit: bool, now: float = 0.0) -> float:
         gpu_s = self.costs.gpu_s[i]
         assert gpu_s is not None
         slots, up, down = list(self.gpu_free), list(self.up_free), list(self.down_free)
         lane = slots if self.copies == "slot" else up
+        gate = self.copies_from()
         ready = 0.0
         for d in self.costs.deps[i]:
             there = self.on_gpu[d].get(g)
             if there is None:
                 host = self._down(d, commit, slots, down)
                 seconds = self.machine.h2d_s(self.costs.nbytes[d])
-                start = max(host, lane[g])
+                start = max(host, lane[g], gate)
                 there = lane[g] = start + seconds
                 if commit:
                     self.on_gpu[d][g] = there
@@ -499,6 +516,7 @@ class _Run:
         if commit:
             self.gpu_free, self.up_free, self.down_free = slots, up, down
             self.on_gpu[i][g] = end
+            self.device_ends.append(end)
             self.busy["gpu"] += gpu_s
             self.gpu_tasks += 1
             self.assignment[i] = g
@@ -566,13 +584,17 @@ class _Run:
 
 
 def simulate(costs: Costs, machine: Machine, policy: Policy, *,
-             copies: CopyMode = "link") -> Schedule:
-    """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring)."""
+             copies: CopyMode = "link", ahead: int | None = None) -> Schedule:
+    """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring;
+    ``ahead``: the device tasks whose copies to the device may run ahead of the devices, on the
+    links; None: no bound)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
     if copies not in ("link", "slot"):
         raise ValueError(f"copies must be 'link' or 'slot'; got {copies!r}")
-    run = _Run(costs, machine, copies)
+    if ahead is not None and ahead < 1:
+        raise ValueError(f"ahead must be a whole number >= 1 or None; got {ahead!r}")
+    run = _Run(costs, machine, copies, ahead)
     n = len(costs)
     rank = costs.priority or list(range(n))
     waiting = [len(deps) for deps in costs.deps]
@@ -654,10 +676,13 @@ class Summary:
 
 def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
               description: GraphDescription, plan: Plan, profile: Profile, *,
-              copies: CopyMode = "link") -> Summary | None:
+              copies: CopyMode = "link", read_ahead: int | None = None) -> Summary | None:
     """The plan on the profile's machine (its threads and GPUs), or None past
     :data:`SIMULATE_MAX_TASKS` tasks. The bound is the LP up to :data:`EXPLAIN_LP_MAX_TASKS`
-    tasks and within :data:`EXPLAIN_LP_ITERATIONS`, else the parts bound: explain() stays fast."""
+    tasks and within :data:`EXPLAIN_LP_ITERATIONS`, else the parts bound: explain() stays fast.
+    Copies to the devices run at most :func:`~eugo_dask.pace.copies_ahead` device tasks ahead
+    with ``eugo.read-ahead`` ``read_ahead`` (None: unbounded), as eugo's scheduler plugin holds
+    them on a cluster."""
     if len(description.task_keys) > SIMULATE_MAX_TASKS:
         return None
     machine = Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
@@ -666,4 +691,6 @@ def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
                         lp_iterations=EXPLAIN_LP_ITERATIONS)
     # (dual tasks as the scheduler plugin places them, where the plan has any)
     policy: Policy = "dual" if costs.dual else "static"
-    return Summary(machine, costs, bound, simulate(costs, machine, policy, copies=copies))
+    ahead = copies_ahead(read_ahead, machine.gpus) if read_ahead is not None else None
+    return Summary(machine, costs, bound,
+                   simulate(costs, machine, policy, copies=copies, ahead=ahead))
