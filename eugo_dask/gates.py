@@ -160,9 +160,11 @@ class Gates:
         (``device``), in Dask's order (``ts.priority``) among those device tasks; returns the
         tasks held.
 
-        - A copy is held until the device task ``ahead`` places before its first consumer has
-          ended: at most ``ahead`` device tasks' copies run ahead of the device, whatever
-          becomes ready at once (a layer made on the CPU, blocks read before).
+        - A copy is held until the device task ``ahead`` places before its first consumer,
+          among the device tasks that first consume a copy, has ended: at most ``ahead``
+          device tasks' copies run ahead of the device, whatever becomes ready at once (a layer
+          made on the CPU, blocks read before), and device tasks that copy nothing (the rest
+          of a block's chain on the device) do not count.
         - A read (a root task whose result goes only to copies to the device, and to no
           client) is held until the first device task consuming the read ``reads_ahead``
           places before it (the reads put in the order of their first consumers) has ended,
@@ -181,9 +183,15 @@ class Gates:
             first = min((rank[d] for d in ts.dependents if d in rank), default=None)
             if first is not None:
                 first_of[ts] = first
+        # the device tasks that first consume a copy, in Dask's order: a copy waits for the one
+        # `ahead` places before its own first consumer among them (counting every device task,
+        # a block's chain of several device tasks let a copy run less than a block ahead)
+        consumers = sorted(set(first_of.values()))
+        place = {first: i for i, first in enumerate(consumers)}
         held = 0
         for ts, first in first_of.items():
-            if first >= ahead and self.hold(scheduler, ts.key, ordered[first - ahead].key):
+            i = place[first]
+            if i >= ahead and self.hold(scheduler, ts.key, ordered[consumers[i - ahead]].key):
                 held += 1
         if reads_ahead is None:
             return held

@@ -28,7 +28,8 @@ place that reads it; outputs end on the host.
   links (``copies="link"``: eugo's copy tasks ask for none of the GPU slot and overlap the
   kernels) or, as they did when they held the GPU resource, in the device's slot (``"slot"``).
   On the links, the copies to a device of a device task start no sooner than the device task
-  ``ahead`` places before it (in the order they are placed, over all devices) has ended, as
+  ``ahead`` places before it among those that copy a value to a device (in the order they are
+  placed, over all devices) has ended, as
   eugo's scheduler plugin holds them (:mod:`eugo_dask.gates`, ``ahead``
   :func:`~eugo_dask.pace.copies_ahead`); ``ahead=None``: as soon as their value and the link are
   free, however far ahead of the device.
@@ -442,7 +443,8 @@ class _Run:
         self.costs, self.machine, self.copies = costs, machine, copies
         # the copies to the devices run at most `ahead` device tasks ahead (links only)
         self.ahead = ahead if copies == "link" else None
-        self.device_ends: list[float] = []  # when each device task placed ends, in order
+        # when each device task placed that copied a value to its device ends, in order
+        self.device_ends: list[float] = []
         self.threads = [0.0] * machine.cpu_threads  # a heap of the threads' free times
         g = machine.gpus
         self.gpu_free, self.up_free, self.down_free = [0.0] * g, [0.0] * g, [0.0] * g
@@ -489,7 +491,8 @@ class _Run:
 
     def copies_from(self) -> float:
         """When the copies to a device of the next device task placed may start: once the
-        device task ``ahead`` places before it has ended (0: at once)."""
+        device task ``ahead`` places before it among those that copied a value to the device
+        has ended (0: at once)."""
         ahead, ends = self.ahead, self.device_ends
         return ends[-ahead] if ahead is not None and 0 < ahead <= len(ends) else 0.0
 
@@ -500,9 +503,11 @@ class _Run:
         lane = slots if self.copies == "slot" else up
         gate = self.copies_from()
         ready = 0.0
+        copied = False
         for d in self.costs.deps[i]:
             there = self.on_gpu[d].get(g)
             if there is None:
+                copied = True
                 host = self._down(d, commit, slots, down)
                 seconds = self.machine.h2d_s(self.costs.nbytes[d])
                 start = max(host, lane[g], gate)
@@ -516,7 +521,8 @@ class _Run:
         if commit:
             self.gpu_free, self.up_free, self.down_free = slots, up, down
             self.on_gpu[i][g] = end
-            self.device_ends.append(end)
+            if copied:  # (the gate counts the device tasks that copy a value to the device)
+                self.device_ends.append(end)
             self.busy["gpu"] += gpu_s
             self.gpu_tasks += 1
             self.assignment[i] = g

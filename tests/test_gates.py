@@ -254,3 +254,55 @@ async def test_held_root_tasks_are_queued_once_their_gate_ends(c, s, a, b):
     queued = {t.key for t in s.transition_log if t.finish == "queued"}
     assert s.is_rootish(s.tasks["read-0"]) and len(queued) >= 20 - 2 * 2, queued
     assert plugin.gates.summary()["made"] == 20 and not plugin.gates.held
+
+
+class Pacing(SchedulerPlugin):
+    """Paces a graph's copies (``c-…``) to its device tasks (``A-…``, ``B-…``) as eugo's
+    plugin does, ``ahead`` device tasks ahead; no reads held."""
+
+    name = "pacing"
+
+    def __init__(self, scheduler, ahead):
+        self.scheduler, self.ahead = scheduler, ahead
+        self.gates = Gates()
+
+    def update_graph(self, scheduler, *, tasks=None, **kwargs):
+        keys = [str(k) for k in tasks or ()]
+        self.gates.pace(scheduler, [k for k in keys if k.startswith("c-")],
+                        [k for k in keys if k.startswith(("A-", "B-"))], None, self.ahead)
+        self.made = {k: gate for gate, held in self.gates.held.items() for k in held}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        self.gates.transition(self.scheduler, key, finish)
+
+
+def ident(*args):
+    return 0
+
+
+@gen_cluster(client=True)
+async def test_a_copy_waits_for_the_copying_device_task_ahead_places_before(c, s, a, b):
+    # each block: its copy c-k, the device task A-k reading it, then B-k reading A-k only. With
+    # ahead 1 a copy waits for the previous block's A (old code counted B too: c-k waited for
+    # B-(k-1)... and with chains of 6 device tasks a block, less than a block of copies ran ahead)
+    from dask.delayed import Delayed
+    from distributed import wait
+
+    plugin = Pacing(s, ahead=1)
+    s.add_plugin(plugin)
+    dsk = {}
+    for k in range(4):
+        dsk[f"c-{k}"] = (ident,)
+        dsk[f"A-{k}"] = (ident, f"c-{k}")
+        dsk[f"B-{k}"] = (ident, f"A-{k}")
+    dsk["out"] = (ident, *[f"B-{k}" for k in range(4)])
+    future = c.compute(Delayed("out", dsk), optimize_graph=False)
+    await until(lambda: "out" in s.tasks)
+    order = [k for _, k in sorted((s.tasks[f"A-{k}"].priority, k) for k in range(4))]
+    await wait(future, timeout=20)
+    # (Dask's order runs the blocks one by one, in some order)
+    assert all(s.tasks[f"A-{k}"].priority < s.tasks[f"c-{j}"].priority
+               for k, j in zip(order, order[1:]))
+    expected = {f"c-{j}": f"A-{k}" for k, j in zip(order, order[1:])}
+    assert plugin.made == expected, plugin.made
+    assert not plugin.gates.held
