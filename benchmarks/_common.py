@@ -141,6 +141,18 @@ def eugo_settings(profile: Any) -> dict[str, Any]:
             "eugo.profile": profile}
 
 
+def emulated_cluster(extra: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The workers of the benchmarks on a cluster of separate processes (a GPU worker: ``GPU=1``,
+    the emulated device, 2 threads and the arguments ``extra``; two one-thread CPU workers), and
+    the settings eugo runs there with: the emulated device, every task that can run there does
+    (min-speedup 0), the H200 profile."""
+    from eugo_dask.testing import H200_SERVER
+
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": extra}, "cpu-0": {}, "cpu-1": {}}
+    return workers, {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated",
+                     "eugo.min-speedup": 0, "eugo.profile": H200_SERVER}
+
+
 def compute_plain(build: Callable[[], Any]) -> Any:
     with dask.config.set(optimizations=[]):
         return build().compute(scheduler="threads")

@@ -11,7 +11,10 @@ copy rates measured on an H200 (8.3 GB/s to the device, 4.0 GB/s back, 10 µs a 
 under the policies
 
 - ``static``: today's plan as it runs today, its copies beside the kernels on the links (a copy
-  asks for none of the GPU slot: ``link``);
+  asks for none of the GPU slot: ``link``), those to a device at most
+  ``(eugo.read-ahead + 1) x GPUs`` device tasks ahead of the devices (eugo's scheduler plugin
+  holds each until the device task that many places before its consumer has ended; every
+  policy whose copies are on the links is held so);
 - ``static-slot``: the same placement with copies holding the GPU slot, as they did before
   (``slot``: a copy and a kernel never overlapped);
 - ``all-cpu``, ``all-gpu``: every task on the CPU; every task that can, on a device;
@@ -60,6 +63,8 @@ import dask.array as da
 import numpy as np
 
 from eugo_dask import explain
+from eugo_dask.config import read_ahead
+from eugo_dask.pace import copies_ahead
 from eugo_dask.schedule import Costs, Machine, lower_bound, simulate
 from eugo_dask.timed import run_timed
 
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
 
         logging.getLogger("distributed").setLevel(logging.ERROR)
     scale = 2 if args.quick else 1
+    ahead_setting = read_ahead()  # eugo.read-ahead
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as directory:
         built = {name: build for name, build in graphs(scale, zarr_store(directory, scale)).items()
@@ -191,13 +197,19 @@ def main(argv: list[str] | None = None) -> None:
                 cells = []
                 for label, policy, copies, dispatch in policies:
                     plan_costs = balanced if dispatch == "balanced" and balanced else costs
-                    run = simulate(plan_costs, machine, policy, copies=copies)  # type: ignore[arg-type]
+                    # (copies on the links run at most `ahead` device tasks ahead, as eugo's
+                    # scheduler plugin holds them)
+                    ahead = copies_ahead(ahead_setting, machine.gpus) if (
+                        copies == "link" and ahead_setting is not None) else None
+                    run = simulate(plan_costs, machine, policy,  # type: ignore[arg-type]
+                                   copies=copies, ahead=ahead)
                     ratio = run.makespan_s / bound.seconds
                     cells.append(f"{run.makespan_s * 1e3:8.1f} ms {ratio:5.2f}x")
                     timed = None
                     if args.timed:
                         timed = run_timed(plan_costs, run, dilation=args.timed / bound.seconds,
-                                          copies=copies).makespan_s  # type: ignore[arg-type]
+                                          copies=copies,  # type: ignore[arg-type]
+                                          ahead=ahead).makespan_s
                         cells[-1] += f" ({timed / bound.seconds:5.2f}x)"
                     records.append({
                         "timed_s": timed,

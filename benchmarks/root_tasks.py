@@ -1,13 +1,14 @@
 """Reads paced to the device with eugo: peak tasks processing, peak worker memory and wall time,
-plain Dask vs eugo with reads unpaced and paced, on one cluster of separate processes.
+plain Dask vs eugo with reads unpaced and paced, each run on a fresh cluster of separate processes.
 
 A large read -> compute -> reduce: ``from_array`` over a synthetic reader of an N² float32 array
 in 600² blocks (each read is a root task distributed queues), ``sin(x)**2 + cos(x)`` per block
 (eugo offloads it to the GPU worker: emulated device, min-speedup 0), then ``.sum()``. The
 cluster is ``dask scheduler --preload eugo_dask.plugin``, a GPU worker (``GPU=1``, emulated
-device, 2 threads) and two CPU workers (1 thread each), all separate processes. The same
-collection is computed plain (``plain``), with eugo and ``eugo.read-ahead: null`` (``unpaced``:
-reads queued by distributed alone) and with eugo as it is (``eugo``: reads paced), in turn, each
+device, 2 threads) and two CPU workers (1 thread each), all separate processes, started afresh
+for each run (a worker's resident memory does not fall back after a run). The same collection
+is computed plain (``plain``), with eugo and ``eugo.read-ahead: null`` (``unpaced``: reads
+queued by distributed alone) and with eugo as it is (``eugo``: reads paced), in turn, each
 round; while each runs, a periodic callback on the scheduler samples every 10 ms the tasks
 processing on all workers, the tasks queued and the keys held in memory, and one on each worker
 samples its resident memory. Prints each run's peaks and wall time, the worst peaks' ratios
@@ -17,16 +18,19 @@ eugo/unpaced (within 5%), what ran on the device, and that the results agree.
 Distributed's queuing bounds what each worker is processing, not what waits for a consumer on
 another worker (dask/distributed#9164: root-ish tasks with restricted dependents): unpaced, where
 the device consumes blocks more slowly than the reads produce them (here: the emulated device,
-NumPy on shared cores), reads run ahead and their blocks wait in memory on the GPU worker. Paced
-(:mod:`eugo_dask.pace`), a read waits until the block read W places before it is consumed and
-its result copied back: W is the reads the workers take at once plus ``eugo.read-ahead`` (2) per
-GPU slot, 9 here.
+NumPy on shared cores), reads run ahead and their blocks wait in memory on the GPU worker. Paced,
+eugo's scheduler plugin holds a read back until the block read W places before it is consumed
+and its result copied back (:mod:`eugo_dask.gates`: a dependency on the scheduler only, taken
+away before the read is sent, so nothing is fetched for it): W is the reads the workers take at
+once plus ``eugo.read-ahead`` (2) per GPU slot, 9 here. The plugin also holds each copy to the
+device back until the device task 3 places before its consumer (among those that consume a
+copy) has ended
+(``benchmarks/device_memory.py``).
 
 Here the emulated device's kernels (NumPy, a few ms a block) are not what bounds the run: tasks'
-overheads and transfers on 2 shared cores are, and each paced read waits for its token's
-transfer from the GPU worker. ``--slow-device`` makes the GPU worker's device take 50 ms a task
-(``tests/slow_device.py``), so that it consumes blocks more slowly than they are read, the case
-pacing is for.
+overheads and transfers on 2 shared cores are. ``--slow-device`` makes the GPU worker's device
+take 50 ms a task (``tests/slow_device.py``), so that it consumes blocks more slowly than they
+are read, the case pacing is for.
 
     python benchmarks/root_tasks.py           # 24000² float32 in 600² blocks: 1,600 reads, 2.3 GB; 2 rounds
     python benchmarks/root_tasks.py --quick   # 4800² in 600² blocks: 64 reads; 3 rounds
@@ -45,7 +49,7 @@ import dask.array as da
 import numpy as np
 
 import eugo_dask
-from eugo_dask.testing import H200_SERVER, process_cluster
+from eugo_dask.testing import process_cluster
 
 BLOCK = 600
 SLOW_DEVICE = str(Path(__file__).resolve().parents[1] / "tests" / "slow_device.py")
@@ -131,22 +135,26 @@ def run_once(client, n: int, settings: dict) -> dict:
 
 
 def measure(n: int, runs: dict[str, dict], *, rounds: int, slow_device: bool = False) -> dict:
-    """Compute the pipeline with each of ``runs``' settings ``rounds`` times, in turn, on a
-    fresh process cluster (with ``slow_device``, the GPU worker's device takes 50 ms a task).
-    Returns the runs' peaks by name, how many tasks ran on the GPU worker's device, and what the
-    plugin warned of."""
-    extra = ["--preload", SLOW_DEVICE] if slow_device else []
-    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": extra}, "cpu-0": {}, "cpu-1": {}}
-    with tempfile.TemporaryDirectory() as logs, process_cluster(logs, workers=workers) as (_, client):
-        results: dict[str, list[dict]] = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, settings in runs.items():
+    """Compute the pipeline with each of ``runs``' settings ``rounds`` times, in turn, each run
+    on a fresh process cluster (with ``slow_device``, the GPU worker's device takes 50 ms a
+    task): a worker's resident memory does not go back to where it was after a run (the
+    allocator keeps what it got), so on one cluster a run that followed the unpaced one grew by
+    nothing. Returns the runs' peaks by name, how many tasks ran on the GPU worker's device, and
+    what the plugin warned of."""
+    workers, _ = _common.emulated_cluster(["--preload", SLOW_DEVICE] if slow_device else [])
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    on_device = 0
+    warnings: list[str] = []
+    for _ in range(rounds):
+        for name, settings in runs.items():
+            with tempfile.TemporaryDirectory() as logs, \
+                    process_cluster(logs, workers=workers) as (_, client):
                 results[name].append(run_once(client, n, settings))
-        stats = client.run(eugo_dask.device_stats)  # each worker's own count, not a heartbeat's
-        warnings = client.run_on_scheduler(
-            lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
-    return {"runs": results, "on_device": sum(st["tasks"] for st in stats.values()),
-            "warnings": warnings}
+                # each worker's own count, not a heartbeat's
+                on_device += sum(st["tasks"] for st in client.run(eugo_dask.device_stats).values())
+                warnings += client.run_on_scheduler(
+                    lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
+    return {"runs": results, "on_device": on_device, "warnings": warnings}
 
 
 def print_runs(results: dict[str, list[dict]]) -> None:
@@ -166,8 +174,7 @@ def main() -> None:
     n = 4800 if args.quick else 24000
     rounds = 3 if args.quick else 2
     plain = {"optimizations": []}
-    eugo = {"optimizations": [eugo_dask.eugo], "eugo.device": "emulated", "eugo.min-speedup": 0,
-            "eugo.profile": H200_SERVER}
+    _, eugo = _common.emulated_cluster([])
     unpaced = {**eugo, "eugo.read-ahead": None}
     print(f"{n}² float32 in {BLOCK}² blocks: {(n // BLOCK) ** 2} reads, "
           f"{n * n * 4 / 2**30:.2f} GiB; workers: gpu (2 threads, emulated device"

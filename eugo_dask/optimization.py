@@ -53,6 +53,7 @@ from eugo_dask.context import (
 from eugo_dask.describe import GraphDescription, describe_graph
 from eugo_dask.graph import ChunkInfo, Key, flatten_keys, task_spec_dict
 from eugo_dask.history import ensure_local_timing, expect, get_history
+from eugo_dask.pace import copies_ahead
 from eugo_dask.pass_log import record_failure, record_outcome, record_plan
 from eugo_dask.plan import ColdStart, Plan, place
 from eugo_dask.profile import Profile
@@ -213,15 +214,18 @@ def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
     return max(math.ceil(workers / (devices if kind == "threads" else 1)), 1)
 
 
-def _read_window(settings: Settings) -> int | None:
+def _read_window(settings: Settings) -> tuple[int, int] | None:
     """How many reads may run ahead of the device tasks consuming their blocks
-    (:mod:`eugo_dask.pace`), or None where reads are not paced.
+    (:mod:`eugo_dask.pace`), and how many device tasks' copies to the device may run ahead of
+    the device (:func:`~eugo_dask.pace.copies_ahead`, :meth:`~eugo_dask.gates.Gates.pace`);
+    None where neither is paced.
 
     Paced only on a distributed scheduler with GPU workers (a local scheduler's pool is the
     bound) and with ``eugo.read-ahead`` not null: the reads the workers take at once under
     distributed's queuing (:func:`~eugo_dask.context.read_slots`), so the CPU threads keep
     reading, plus ``eugo.read-ahead`` blocks for each GPU slot (a kernel per unit of the
-    resource, at most the worker's threads), so the device never waits for a read."""
+    resource, at most the worker's threads), so the device never waits for a read; the copies
+    of ``eugo.read-ahead`` device tasks per GPU slot beyond the one each slot runs."""
     if settings.read_ahead is None or current_submission() is None:
         return None
     scheduler = running_scheduler()
@@ -229,7 +233,8 @@ def _read_window(settings: Settings) -> int | None:
                 for units, threads in gpu_task_slots(scheduler, settings.resource))
     if not slots:
         return None
-    return read_slots(scheduler) + settings.read_ahead * slots
+    return (read_slots(scheduler) + settings.read_ahead * slots,
+            copies_ahead(settings.read_ahead, slots))
 
 
 def _devices_per_process(settings: Settings, profile: Profile) -> int:
@@ -435,10 +440,16 @@ def _plan_and_rewrite(dsk: Any, graph: dict[Key, GraphNode], keys: Key | NestedK
     # planned for a local scheduler, the tasks carry the settings: a processes scheduler's pool
     # processes have Dask's defaults (a cluster's workers use their own)
     device = settings.device if submission else PlannedDevice.here(settings.device)
+    windows = _read_window(settings)
+    # where eugo's plugin runs it paces reads and copies on the scheduler (eugo_dask.gates);
+    # elsewhere the graph paces its reads with tokens (eugo_dask.pace)
+    on_scheduler = windows is not None and resource is None
     how = Rewrite(device, resource, _token(settings, profile, machine),
                   _user_annotations(dsk),
                   dict(submission.annotations.get("resources") or {}) if submission else {},
-                  plan_id, settings.resource, _read_window(settings))
+                  plan_id, settings.resource,
+                  windows[0] if windows is not None and not on_scheduler else None,
+                  windows if on_scheduler else None)
     rewritten = rewrite_graph(graph, plan, described.description, original,
                               flatten_keys(keys), how)
     if settings.learn:
@@ -521,7 +532,8 @@ def explain(*collections: Any, machine: Machine | None = None, **settings: Any) 
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]
     plan.schedule = summarize(described.graph, keys, described.description, plan,
-                              described.profile, machine=machine)
+                              described.profile, machine=machine,
+                              read_ahead=current.read_ahead)
     return plan
 
 

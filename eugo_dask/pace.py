@@ -47,6 +47,15 @@ logger = logging.getLogger(__name__)
 PACE_PREFIX = "eugo-paced"
 
 
+def copies_ahead(read_ahead: int, slots: int) -> int:
+    """How many device tasks' copies to the device may run ahead of the device, with
+    ``eugo.read-ahead`` ``read_ahead`` and ``slots`` GPU slots: the one each slot runs, and
+    ``read_ahead`` more per slot (eugo's scheduler plugin holds each copy until the device task
+    that many places before its first consumer has ended, :mod:`eugo_dask.gates`; the schedule
+    model does the same, :func:`eugo_dask.schedule.simulate`)."""
+    return (read_ahead + 1) * slots
+
+
 class Paced(NamedTuple):
     """A graph with its reads paced: the tokens written, and each paced read's new key."""
 

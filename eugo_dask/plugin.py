@@ -10,12 +10,16 @@ Reach it as ``scheduler.plugins["eugo"]`` (the metrics and the dashboard do; no 
 own). What it does with the annotations the rewrite puts on every task
 (:class:`~eugo_dask.rewrite.TaskRoles`):
 
-- device work and transfers ask for the worker resource (``eugo.resource``, ``GPU``), so they run
-  on workers that advertise it, one task per resource unit (``--resources GPU=4`` runs four),
-  beside the resources the user asked of them (copies ask for none of the slot, and are
-  restricted to the GPU workers, which a worker advertising the resource at 0 is not): the
-  plugin adds it here to what the scheduler applied (the pass leaves it to the plugin, since
-  its per-key annotation would replace the resources given to ``client.compute``). The pass
+- device work asks for the worker resource (``eugo.resource``, ``GPU``), so it runs on workers
+  that advertise it, one task per resource unit (``--resources GPU=4`` runs four), beside the
+  resources the user asked of it: the plugin adds it here to what the scheduler applied (the
+  pass leaves it to the plugin, since its per-key annotation would replace the resources given
+  to ``client.compute``). Copies (and reads' tokens) are restricted to the GPU workers instead,
+  asking for no resource of eugo's: a worker runs the tasks that ask for resources from one
+  queue whose head blocks the rest, so a copy asking for none of the slot still waited behind
+  kernels waiting for it; kept to the GPU workers by worker restrictions, a copy runs on the
+  next free thread (where the user named workers or hosts for it, or no GPU worker has joined
+  yet, it asks for ``{GPU: 0}``, which only workers advertising the resource meet). The pass
   leaves a graph on the CPU where no worker advertises the resource it would ask for; when the
   last GPU worker leaves mid-computation, its pending GPU tasks are re-routed to run their CPU
   path on the workers there are;
@@ -23,9 +27,14 @@ own). What it does with the annotations the rewrite puts on every task
   user restricted them (workers, hosts, resources): every task keeps the user's restrictions.
   Root tasks (reads, data producers) are left unrestricted, so the scheduler still queues them.
   Queuing bounds what each worker is processing, not what waits for a consumer on another
-  worker: the pass paces reads whose blocks go to the device (:mod:`eugo_dask.pace`; their
-  tokens, ``eugo-paced-…``, run on GPU workers like copies, holding no GPU slot), and the
-  plugin warns where unpaced reads run ahead of a GPU worker (``benchmarks/root_tasks.py``);
+  worker, and nothing bounds how far copies asking for no slot run ahead of the kernels: the
+  plugin holds reads whose blocks go only to the device, and copies to the device, on the
+  scheduler until the device task W (reads) or A (copies) places before has ended
+  (:mod:`eugo_dask.gates`: a dependency only the scheduler knows, taken away before the task is
+  sent, so nothing is fetched for it; the pass puts W and A in the copies' annotations), and
+  warns where unpaced reads run ahead of a GPU worker (``benchmarks/root_tasks.py``). Where the
+  plugin does not run, the pass paces reads with tokens (:mod:`eugo_dask.pace`, ``eugo-paced-…``,
+  run on GPU workers like copies, holding no GPU slot);
 - a GPU task whose user restrictions no GPU worker meets (``resources={"MEM": 1}`` with ``MEM`` on
   CPU workers only, ``workers=`` naming CPU workers, loose ones) runs its CPU path where they
   allow, with one warning per graph; so do pending ones when the GPU workers that met them leave;
@@ -68,6 +77,7 @@ from eugo_dask.config import check_keys, gpu_workers_on_demand, read_resource
 from eugo_dask.context import SHOWN_HERE
 from eugo_dask.dashboard import install as install_dashboard
 from eugo_dask.dispatch import CPU_UNIT, GPU_UNIT, Ledger, UnitKind
+from eugo_dask.gates import CHECK_MS, Gates
 from eugo_dask.history import observe, save_all
 from eugo_dask.history import pending as history_pending
 from eugo_dask.metrics import register_metrics
@@ -190,6 +200,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.usage: deque[GraphUsage] = deque(maxlen=MAX_USAGE)
         self._usage_of: dict[Key, GraphUsage] = {}
         self.dual = _DualDispatch(self.resource)
+        self.gates = Gates()  # tasks held back until a device task ends (eugo_dask.gates)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
@@ -197,6 +208,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self._guard("settings", self._check_own_settings)
         self._guard("metrics", register_metrics, scheduler)
         scheduler.stream_handlers.setdefault(REPORT_OP, functools.partial(_worker_report, scheduler))
+        self._guard("gates", self._watch_gates, scheduler)
         try:
             # (it reports on the stream whose handler is now in place)
             await scheduler.register_worker_plugin(
@@ -205,6 +217,16 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         except Exception:  # never break the scheduler
             self.errors += 1
             logger.exception("eugo scheduler plugin: installing the worker plugin failed")
+
+    def _watch_gates(self, scheduler: Scheduler) -> None:
+        """Start the gates' watchdog (:meth:`~eugo_dask.gates.Gates.check`) on the scheduler's
+        loop; the scheduler stops it when it closes."""
+        from tornado.ioloop import PeriodicCallback
+
+        callback = PeriodicCallback(
+            functools.partial(self._guard, "gates", self.gates.check, scheduler), CHECK_MS)
+        scheduler.periodic_callbacks["eugo-gates"] = callback
+        callback.start()
 
     def _check_own_settings(self) -> None:
         """Say where the scheduler's own ``eugo.*`` settings hold a key eugo does not know (a
@@ -252,12 +274,22 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         rerouted: list[TaskState] = []
         usage = self._new_usage(scheduler, roles)
         asked: dict[Any, dict[str, Any]] = {}  # the user's resources -> with the GPU's
+        kept: dict[int, dict[str, Any] | None] = {}  # those, for a copy: without the GPU's
         fits: dict[Any, bool] = {}
+        copies: list[Key] = []  # copies to the device, paced to the device tasks
+        device: list[Key] = []
+        pacing = None
         for key, role in roles.items():
             ts = scheduler.tasks.get(key)
             if ts is None or ts.state not in _PENDING or not isinstance(role, dict):
                 continue
             kind = role.get("role")
+            if kind == GPU_ROLE:
+                device.append(key)
+            elif (kind == TODEVICE_ROLE and _is_count(role.get("ahead"))
+                  and _is_count(role.get("reads_ahead"))):
+                copies.append(key)
+                pacing = (int(role["reads_ahead"]), int(role["ahead"]))
             if kind == PACE_ROLE:  # bookkeeping, not work: in no usage or prefix count
                 self.pace_keys.add(key)
             else:
@@ -274,9 +306,11 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                 self.gpu_keys.add(key)
                 wanted = self._asking_for_device(ts, kind, asked)
                 if self._device_fits(scheduler, ts, wanted, fits):
-                    ts.resource_restrictions = wanted
-                    if kind in SLOTLESS_ROLES:  # (copies and reads' tokens ask for none of the slot)
-                        self._keep_on_gpu_workers(ts)
+                    # (copies and reads' tokens: on the GPU workers, asking for no slot at all)
+                    if kind in SLOTLESS_ROLES and self._keep_on_gpu_workers(ts):
+                        ts.resource_restrictions = _without_slot(wanted, self.resource, kept)
+                    else:
+                        ts.resource_restrictions = wanted
                 else:  # (or the GPU workers left between planning and now)
                     self._run_on_cpu(ts)
                     rerouted.append(ts)
@@ -286,6 +320,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
                     ts.worker_restrictions = set(cpu_workers)
                     ts.loose_restrictions = True
                     self.host_restricted.add(key)
+        if pacing is not None and self._gpu_addresses:  # (copies kept to the GPU workers)
+            self.gates.pace(scheduler, [k for k in copies if k in self.copy_restricted], device,
+                            *pacing)
         if rerouted:
             self._say_rerouted(scheduler, rerouted, "GPU-planned tasks", "")
         self.dual.decide_ready(scheduler, [scheduler.tasks[k] for k in roles
@@ -315,18 +352,26 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             wanted = asked[request] = device_request(role, self.resource, user)
         return wanted
 
-    def _keep_on_gpu_workers(self, ts: TaskState) -> None:
-        """Restrict copy ``ts`` to the GPU workers, where the user named no workers or hosts.
+    def _keep_on_gpu_workers(self, ts: TaskState) -> bool:
+        """Restrict copy ``ts`` to the GPU workers, where the user named no workers or hosts
+        and a GPU worker is there; whether it did.
 
-        A copy asks for none of the GPU slot (``{resource: 0}``), and a worker that advertises
-        the resource at 0 (``--resources GPU=0``, a CPU worker to eugo) meets that too: a copy
-        sent there passes its chunk through (no device), and every kernel that reads the chunk
-        copies it again (a matmul's copies to the device 15x the plan's). Kept current as GPU
-        workers come and go (:meth:`_worker_joined`, :meth:`_worker_left`)."""
+        Kept there by its worker restrictions, a copy asks for no resource of eugo's: a worker
+        runs every task that asks for a resource from one queue, in priority order, whose head
+        stops the rest while its resources are taken (``_ensure_computing`` in
+        ``distributed/worker_state_machine.py``), so a copy asking for none of the slot
+        (``{resource: 0}``) waited behind kernels of higher priority waiting for the slot, a
+        thread free beside them. Asking for nothing, it runs on the next free thread.
+        Otherwise it asks for ``{resource: 0}``, which only workers advertising the resource
+        meet: a worker advertising it at 0 (``--resources GPU=0``, a CPU worker to eugo) meets
+        it too, and a copy sent there passes its chunk through (no device), every kernel that
+        reads the chunk copying it again (a matmul's copies to the device 15x the plan's).
+        Kept current as GPU workers come and go (:meth:`_worker_joined`, :meth:`_worker_left`)."""
         if ts.worker_restrictions or ts.host_restrictions or not self._gpu_addresses:
-            return
+            return False
         ts.worker_restrictions = set(self._gpu_addresses)
         self.copy_restricted.add(ts.key)
+        return True
 
     def _device_fits(self, scheduler: Scheduler, ts: TaskState, wanted: dict[str, Any],
                      fits: dict[Any, bool]) -> bool:
@@ -341,7 +386,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             return False
         workers, hosts = ts.worker_restrictions, ts.host_restrictions
         restriction = (frozenset(workers) if workers else None,
-                       frozenset(hosts) if hosts else None, id(wanted))
+                       frozenset(hosts) if hosts else None, frozenset(wanted.items()))
         fit = fits.get(restriction)
         if fit is None:
             named = {scheduler.coerce_hostname(h) for h in hosts} if hosts else set()
@@ -374,8 +419,9 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         pace_keys = self.pace_keys  # (reads' tokens wait for device work: they are none)
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key) if key not in pace_keys else None
-            if (ts is not None and ts.state in _BACKLOG and ts.resource_restrictions
-                    and self.resource in ts.resource_restrictions):
+            if ts is not None and ts.state in _BACKLOG and (
+                    key in self.copy_restricted  # (a copy kept there asks for no resource)
+                    or self.resource in (ts.resource_restrictions or ())):
                 count += 1
         return count
 
@@ -444,7 +490,6 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         self.workers_without_device.pop(worker, None)
         self.invalid_settings.pop(worker, None)
         _disallow_worker(scheduler, self.host_restricted, worker)
-        _disallow_worker(scheduler, self.copy_restricted, worker)
         if worker not in self._gpu_addresses:  # (GPU tasks' fits are the GPU workers')
             return
         self._gpu_addresses.discard(worker)
@@ -452,10 +497,12 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         fits: dict[Any, bool] = {}
         for key in self.gpu_keys:
             ts = scheduler.tasks.get(key)
-            if ts is None or ts.state not in _WAITING:
+            if ts is None:
                 continue
-            wanted = ts.resource_restrictions
-            if (not wanted or self.resource not in wanted  # running its CPU path already
+            wanted = self._copy_left_worker(ts, worker) if key in self.copy_restricted else (
+                ts.resource_restrictions)
+            if (ts.state not in _WAITING or not wanted
+                    or self.resource not in wanted  # running its CPU path already
                     or self._device_fits(scheduler, ts, wanted, fits)):
                 continue
             self._run_on_cpu(ts)
@@ -468,7 +515,28 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             scheduler.transitions({k: "processing" for k in stuck},
                                   stimulus_id=f"eugo-reroute-{stimulus_id}")
 
+    def _copy_left_worker(self, ts: TaskState, worker: str) -> dict[str, Any]:
+        """Take GPU worker ``worker``, which left, out of the restrictions of copy ``ts`` (kept
+        to the GPU workers, :meth:`_keep_on_gpu_workers`), and return what it asks for with the
+        GPU resource's ``{resource: 0}``. Where no GPU worker is left, the copy asks for
+        ``{resource: 0}`` again and is kept by its worker restrictions no more (a copy
+        restricted to no worker could run anywhere): it waits for a GPU worker to start where
+        GPU workers start on demand, and is re-routed to its CPU path otherwise (by the
+        caller, which tells which from what it asks for)."""
+        wanted = {self.resource: 0, **(ts.resource_restrictions or {})}
+        if ts.worker_restrictions:
+            ts.worker_restrictions.discard(worker)
+        if not ts.worker_restrictions and self._gpu_addresses:  # (one that joined since it ran)
+            ts.worker_restrictions = set(self._gpu_addresses)
+        elif not ts.worker_restrictions:
+            ts.worker_restrictions = None
+            ts.resource_restrictions = wanted
+            self.copy_restricted.discard(ts.key)
+        return wanted
+
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if self.gates.held or self.gates.paced:
+            self._guard("gates", self.gates.transition, self.scheduler, key, finish)
         if (self.dual.costs or self.dual.charged) and (start == "processing"
                                                         or finish == "processing"):
             self._guard("dispatch", self.dual.transition, self.scheduler, key, start, finish,
@@ -495,9 +563,10 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         """Warn, once per worker and graph, where GPU tasks fed by queued reads pile up on a GPU
         worker: distributed queues no task with resource restrictions (dask/distributed#9164),
         so a CPU worker that finished a read takes the next while the device lags behind.
-        Only reads the pass did not pace (:mod:`eugo_dask.pace`) count: a paced read waits for
-        the device (a graph planned elsewhere, ``eugo.read-ahead: null``, or a read whose
-        device task also reads later blocks)."""
+        Only reads not paced (by the plugin, :mod:`eugo_dask.gates`, or the pass's tokens,
+        :mod:`eugo_dask.pace`) count: a paced read waits for the device (unpaced: a graph
+        planned elsewhere, ``eugo.read-ahead: null``, or a read whose gate would not come
+        before it)."""
         ts = self.scheduler.tasks.get(key) if self.scheduler is not None else None
         ws = ts.processing_on if ts is not None else None
         if ts is None or ws is None or ws.address in self._backlog_warned:
@@ -509,8 +578,8 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         if checked in self._backlog_checked:
             return
         self._backlog_checked.add(checked)
-        if not any(_unpaced_read(dts) or any(map(_unpaced_read, dts.dependencies))
-                   for dts in ts.dependencies):
+        unpaced = functools.partial(_unpaced_read, gates=self.gates)
+        if not any(unpaced(dts) or any(map(unpaced, dts.dependencies)) for dts in ts.dependencies):
             return
         self._backlog_warned.add(ws.address)
         self._warn(f"eugo: {assigned} tasks are assigned to GPU worker {ws.name}, fed by queued "
@@ -671,6 +740,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
             "plans": recent_plans(),  # the pass's, in this process (the dashboard shows them)
             "usage": [u.to_dict() for u in self.usage],
             "dual": dict(self.dual.sent),
+            "gates": self.gates.summary(),  # reads and copies held on the scheduler
         }
 
 
@@ -864,6 +934,17 @@ def _restricted(ts: TaskState) -> bool:
     return bool(ts.worker_restrictions or ts.host_restrictions or ts.resource_restrictions)
 
 
+def _without_slot(wanted: dict[str, Any], resource: str, kept: dict[int, dict[str, Any] | None]
+                  ) -> dict[str, Any] | None:
+    """What a copy kept to the GPU workers by worker restrictions asks for: ``wanted`` without
+    eugo's ``{resource: 0}`` (the user's own resources; None where they asked for none). One
+    dict per distinct request, as ``wanted`` is, in ``kept``."""
+    if id(wanted) not in kept:
+        kept[id(wanted)] = {r: n for r, n in wanted.items()
+                            if not (r == resource and n == 0)} or None
+    return kept[id(wanted)]
+
+
 def _allow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
     """Add ``worker``, which joined, to the restrictions the plugin gave the pending tasks
     ``keys`` (host tasks to CPU workers, copies to GPU workers)."""
@@ -874,8 +955,8 @@ def _allow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
 
 
 def _disallow_worker(scheduler: Scheduler, keys: set, worker: str) -> None:
-    """Take ``worker``, which left, out of the restrictions the plugin gave the tasks ``keys``;
-    a task restricted to no worker left is restricted no more."""
+    """Take ``worker``, which left, out of the restrictions the plugin gave the host tasks
+    ``keys`` (loose ones); a task restricted to no worker left is restricted no more."""
     for key in keys:
         ts = scheduler.tasks.get(key)
         if ts is not None and ts.worker_restrictions:
@@ -891,9 +972,11 @@ def _is_root(ts: TaskState) -> bool:
     return not ts.dependencies or bool(getattr(run_spec, "data_producer", False))
 
 
-def _unpaced_read(ts: TaskState) -> bool:
-    """A root task (:func:`_is_root`) that the pass did not pace to the device."""
-    return _is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
+def _unpaced_read(ts: TaskState, gates: Gates) -> bool:
+    """A root task (:func:`_is_root`) that neither the pass paced to the device (with a token)
+    nor the plugin (:mod:`eugo_dask.gates`)."""
+    return (_is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
+            and ts.key not in gates.paced)
 
 
 def _is_count(value: Any) -> bool:

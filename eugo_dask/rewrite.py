@@ -182,8 +182,10 @@ class TaskRoles:
 
     def __init__(self, roles: dict[Key, RoleEntry], resource: str | None,
                  carried: dict[str, dict[Key, Any]] | None = None,
-                 resources: dict[str, Any] | None = None, plan: str | None = None) -> None:
+                 resources: dict[str, Any] | None = None, plan: str | None = None,
+                 pacing: tuple[int, int] | None = None) -> None:
         self.roles = roles
+        self.pacing = pacing
         self.resource = resource
         self.plan = plan
         self.carried = carried or {}
@@ -194,7 +196,8 @@ class TaskRoles:
             if resource is not None else {})
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TaskRoles, (self.roles, self.resource, self.carried, self.resources, self.plan))
+        return (TaskRoles, (self.roles, self.resource, self.carried, self.resources, self.plan,
+                            self.pacing))
 
     def value(self, kind: str, key: Key) -> Any:
         """The ``kind`` annotation of ``key``."""
@@ -208,6 +211,8 @@ class TaskRoles:
                                                "est_s": role[2]}
                 if self.plan is not None:
                     shared["plan"] = self.plan
+                if role[0] == TODEVICE_ROLE and self.pacing is not None:
+                    shared["reads_ahead"], shared["ahead"] = self.pacing
             return shared
         user = self.carried.get(kind, {}).get(key)
         if kind == "resources" and self.resource is not None:
@@ -364,6 +369,10 @@ class Rewrite(NamedTuple):
     #: the reads that may run ahead of the device tasks consuming them (:mod:`eugo_dask.pace`);
     #: None: reads are not paced
     read_window: int | None = None
+    #: where eugo's scheduler plugin paces the reads and the copies to the device on the
+    #: scheduler instead (:mod:`eugo_dask.gates`): how many reads, and how many device tasks'
+    #: copies, may run ahead of the device (carried in the copies' ``eugo`` annotation)
+    pacing: tuple[int, int] | None = None
 
 
 class Rewritten(NamedTuple):
@@ -530,7 +539,7 @@ def rewrite_graph(dsk: Graph, plan: Plan, description: GraphDescription, origina
         graph = _paced(graph, roles, renames, on_device.to_device_keys, outputs, how.read_window)
     carried = _carried_by_final_keys(how.carried, renames, on_device) if how.carried else {}
     return Rewritten(_one_layer(graph, TaskRoles(roles, how.resource, carried, how.resources,
-                                                      how.plan)),
+                                                      how.plan, how.pacing)),
                      plan, on_device, renames)
 
 

@@ -27,6 +27,12 @@ place that reads it; outputs end on the host.
   them; the links' other copies do not wait for them). Copies run on the
   links (``copies="link"``: eugo's copy tasks ask for none of the GPU slot and overlap the
   kernels) or, as they did when they held the GPU resource, in the device's slot (``"slot"``).
+  On the links, the copies to a device of a device task start no sooner than the device task
+  ``ahead`` places before it among those that copy a value to a device (in the order they are
+  placed, over all devices) has ended, as
+  eugo's scheduler plugin holds them (:mod:`eugo_dask.gates`, ``ahead``
+  :func:`~eugo_dask.pace.copies_ahead`); ``ahead=None``: as soon as their value and the link are
+  free, however far ahead of the device.
 
 Everything here is arithmetic on the plan's numbers: nothing runs a task or imports CuPy.
 """
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
@@ -48,6 +54,7 @@ from eugo_dask.describe import GraphDescription
 from eugo_dask.dispatch import GPU_UNIT, Ledger
 from eugo_dask.graph import ArraySpec, Key, flatten_keys
 from eugo_dask.ops import GPU
+from eugo_dask.pace import copies_ahead
 from eugo_dask.plan import Plan
 from eugo_dask.profile import Profile
 from eugo_dask.report import format_seconds
@@ -879,8 +886,19 @@ def dual_slot_seconds(costs: Costs, machine: Machine, i: int) -> float:
 class _Run:
     """The state of one simulation: when each unit is next free, where each value is."""
 
-    def __init__(self, costs: Costs, machine: Machine, copies: CopyMode) -> None:
+    def __init__(self, costs: Costs, machine: Machine, copies: CopyMode,
+                 ahead: int | None = None) -> None:
         self.costs, self.machine, self.copies = costs, machine, copies
+        # the copies to the devices run at most `ahead` device tasks ahead (links only)
+        self.ahead = ahead if copies == "link" else None
+        # when each device task placed that copied a value to its device ends, in order
+        self.device_ends: list[float] = []
+        self.copied: set[int] = set()  # the values copied to a device
+        # held copies made ahead (plan_copies, copy_ahead): each first reader's place among
+        # the device tasks that read a copy, and the copies waiting for their gate's task
+        self.first_reader: list[int | None] = []
+        self.reader_place: dict[int, int] = {}
+        self.held: deque[tuple[int, int]] = deque()  # (the reader's place, the value)
         self.threads = [0.0] * machine.cpu_threads  # a heap of the threads' free times
         g = machine.gpus
         self.gpu_free, self.up_free, self.down_free = [0.0] * g, [0.0] * g, [0.0] * g
@@ -927,21 +945,32 @@ class _Run:
             self.busy["cpu"] += self.costs.cpu_s[i]
         return end
 
+    def copies_from(self) -> float:
+        """When the copies to a device of the next device task placed may start: once the
+        device task ``ahead`` places before it among those that copied a value to the device
+        has ended (0: at once)."""
+        ahead, ends = self.ahead, self.device_ends
+        return ends[-ahead] if ahead is not None and 0 < ahead <= len(ends) else 0.0
+
     def gpu_finish(self, i: int, g: int, commit: bool, now: float = 0.0) -> float:
         gpu_s = self.costs.gpu_s[i]
         assert gpu_s is not None
         slots, up, down = list(self.gpu_free), list(self.up_free), list(self.down_free)
         lane = slots if self.copies == "slot" else up
+        gate = self.copies_from()
         ready = 0.0
+        copied = False
         for d in self.costs.deps[i]:
             there = self.on_gpu[d].get(g)
             if there is None:
+                copied = True
                 host = self._down(d, commit, slots, down)
                 seconds = self.machine.h2d_s(self.costs.nbytes[d])
-                start = max(host, lane[g])
+                start = max(host, lane[g], gate)
                 there = lane[g] = start + seconds
                 if commit:
                     self.on_gpu[d][g] = there
+                    self.copied.add(d)
                     self.busy["h2d"] += seconds
             ready = max(ready, there)
         start = max(ready, slots[g], now)
@@ -949,6 +978,10 @@ class _Run:
         if commit:
             self.gpu_free, self.up_free, self.down_free = slots, up, down
             self.on_gpu[i][g] = end
+            if copied or any(d in self.copied for d in self.costs.deps[i]):
+                # (the gate counts the device tasks that read a value copied to the device)
+                self.device_ends.append(end)
+                self._release_held()
             self.busy["gpu"] += gpu_s
             self.gpu_tasks += 1
             self.assignment[i] = g
@@ -1011,23 +1044,54 @@ class _Run:
         self.ahead_up = [any(fixed_gpu[v] for v in consumers[u]) for u in range(len(costs))]
         self.ahead_down = [any(not fixed_gpu[v] for v in consumers[u])
                            for u in range(len(costs))]
+        rank = costs.priority or list(range(len(costs)))
+        self.first_reader = [min((v for v in consumers[u] if fixed_gpu[v]),
+                                 key=rank.__getitem__, default=None)
+                             for u in range(len(costs))]
 
     def copy_ahead(self, u: int) -> None:
         """Value ``u`` is made: copy it ahead where :meth:`plan_copies` says, to the device
         whose link frees first (where its readers are placed later, the device that finishes
-        them first: where it is, unless that is busier than a copy)."""
+        them first: where it is, unless that is busier than a copy). Held ``ahead`` device
+        tasks ahead, as eugo's plugin holds a copy task until its gate ends: the copies of the
+        k-th device task reading a copy (its place among them: the order their values are
+        made in, as a worker takes copy tasks) start once the (k - ahead)-th has ended, held
+        until that task is placed where it is not yet (:meth:`_release_held`)."""
         if not self.ahead_up:
             return
         made = self.on_host[u]
         if made is not None and self.ahead_up[u] and not self.on_gpu[u]:
-            lane = self.gpu_free if self.copies == "slot" else self.up_free
-            g = min(range(self.machine.gpus), key=lambda g: (max(made, lane[g]), g))
-            seconds = self.machine.h2d_s(self.costs.nbytes[u])
-            there = lane[g] = max(made, lane[g]) + seconds
-            self.on_gpu[u][g] = there
-            self.busy["h2d"] += seconds
+            if self.ahead is None:
+                self._copy_up(u, made)
+                return
+            reader = self.first_reader[u]
+            place = self.reader_place.setdefault(reader, len(self.reader_place))  # type: ignore[arg-type]
+            if place < self.ahead:
+                self._copy_up(u, made)
+            else:
+                self.held.append((place, u))
+                self._release_held()
         elif made is None and self.on_gpu[u] and self.ahead_down[u]:
             self._down(u, True, self.gpu_free, self.down_free)
+
+    def _copy_up(self, u: int, start: float) -> None:
+        """Copy value ``u`` to the device whose lane frees first, from ``start``."""
+        lane = self.gpu_free if self.copies == "slot" else self.up_free
+        g = min(range(self.machine.gpus), key=lambda g: (max(start, lane[g]), g))
+        seconds = self.machine.h2d_s(self.costs.nbytes[u])
+        there = lane[g] = max(start, lane[g]) + seconds
+        self.on_gpu[u][g] = there
+        self.copied.add(u)
+        self.busy["h2d"] += seconds
+
+    def _release_held(self) -> None:
+        """Make the held copies whose gate's device task is placed (in their readers' order),
+        each once that task ends; a copy its reader made itself meanwhile is not made again."""
+        ends = self.device_ends
+        while self.held and self.ahead is not None and self.held[0][0] - self.ahead < len(ends):
+            place, u = self.held.popleft()
+            if not self.on_gpu[u]:
+                self._copy_up(u, max(self.on_host[u] or 0.0, ends[place - self.ahead]))
 
     def best_gpu(self, i: int, now: float = 0.0, *, local: bool = False
                  ) -> tuple[float, int] | None:
@@ -1062,13 +1126,17 @@ class _Run:
 
 
 def simulate(costs: Costs, machine: Machine, policy: Policy, *,
-             copies: CopyMode = "link") -> Schedule:
-    """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring)."""
+             copies: CopyMode = "link", ahead: int | None = None) -> Schedule:
+    """List-schedule ``costs`` on ``machine`` under ``policy`` (see the module docstring;
+    ``ahead``: the device tasks whose copies to the device may run ahead of the devices, on the
+    links; None: no bound)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
     if copies not in ("link", "slot"):
         raise ValueError(f"copies must be 'link' or 'slot'; got {copies!r}")
-    run = _Run(costs, machine, copies)
+    if ahead is not None and ahead < 1:
+        raise ValueError(f"ahead must be a whole number >= 1 or None; got {ahead!r}")
+    run = _Run(costs, machine, copies, ahead)
     n = len(costs)
     rank = costs.priority or list(range(n))
     waiting = [len(deps) for deps in costs.deps]
@@ -1159,10 +1227,14 @@ class Summary:
 
 def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
               description: GraphDescription, plan: Plan, profile: Profile, *,
-              copies: CopyMode = "link", machine: Machine | None = None) -> Summary | None:
+              copies: CopyMode = "link", machine: Machine | None = None,
+              read_ahead: int | None = None) -> Summary | None:
     """The plan on ``machine`` (None: the profile's, its threads and GPUs), or None past
     :data:`SIMULATE_MAX_TASKS` tasks. The bound is the LP up to :data:`EXPLAIN_LP_MAX_TASKS`
-    tasks and within :data:`EXPLAIN_LP_ITERATIONS`, else the parts bound: explain() stays fast."""
+    tasks and within :data:`EXPLAIN_LP_ITERATIONS`, else the parts bound: explain() stays fast.
+    Copies to the devices run at most :func:`~eugo_dask.pace.copies_ahead` device tasks ahead
+    with ``eugo.read-ahead`` ``read_ahead`` (None: unbounded), as eugo's scheduler plugin holds
+    them on a cluster."""
     if len(description.task_keys) > SIMULATE_MAX_TASKS:
         return None
     origin = "the profile's machine" if machine is None else machine.name or "the machine given"
@@ -1173,4 +1245,6 @@ def summarize(graph: dict[Key, GraphNode], keys: Key | NestedKeys,
                         lp_iterations=EXPLAIN_LP_ITERATIONS)
     # (dual tasks as the scheduler plugin places them, where the plan has any)
     policy: Policy = "dual" if costs.dual else "static"
-    return Summary(machine, costs, bound, simulate(costs, machine, policy, copies=copies), origin)
+    ahead = copies_ahead(read_ahead, machine.gpus) if read_ahead is not None else None
+    return Summary(machine, costs, bound,
+                   simulate(costs, machine, policy, copies=copies, ahead=ahead), origin)

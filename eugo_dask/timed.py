@@ -7,8 +7,13 @@ machine's cores do) for its estimate times ``dilation``: its CPU time on the CPU
 ``cpu_threads`` threads; its device time on GPU worker ``g`` (one per GPU, a ``GPU`` resource of 1:
 one kernel at a time). Copies are tasks of their own that sleep ``latency + bytes / bandwidth``:
 
-- ``copies="link"``: on the GPU worker's link, one per direction (resources ``UP`` and ``DOWN``
-  of 1), beside the kernel;
+- ``copies="link"``: as eugo's copy tasks run now, on a thread of the GPU worker asking for no
+  resource (a resource request would queue them behind the kernels waiting for the slot,
+  ``_ensure_computing``), beside the kernel; each waits, on its thread, for the GPU's link in its
+  direction (a lock per link: one copy each way at a time, as a DMA engine). With ``ahead``, the
+  copies to a device are held by :class:`~eugo_dask.gates.Gates` on the scheduler as eugo's
+  plugin holds them: each until the device task ``ahead`` places before its first consumer has
+  ended;
 - ``copies="slot"``: holding the worker's ``GPU`` resource, as eugo's copy tasks did before they
   asked for none of it.
 
@@ -18,8 +23,8 @@ policy the dual tasks are not placed in advance: each carries both durations (it
 its time holding a GPU slot with its copies inside it) in an ``eugo`` annotation of role
 ``dual``, eugo's scheduler plugin sends it where it expects it to finish first as it becomes
 ready, and it sleeps the duration of where it was granted to run (a thread; or the slot, its
-copies in and back taking the worker's link as copy tasks do: a lock per direction that
-both hold while they copy); its result is on the host either way. What comes back is
+copies in and back taking the worker's links as copy tasks do); its result is on the host either
+way. What comes back is
 the makespan the scheduler achieved, from the first task's start to the last one's end, divided
 by ``dilation``: comparable with :func:`~eugo_dask.schedule.simulate`'s and the bound.
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dask._task_spec import Task, TaskRef
@@ -37,6 +42,7 @@ from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from eugo_dask.context import current_worker, granted_resources
+from eugo_dask.gates import CHECK_MS, Gates
 from eugo_dask.rewrite import DUAL_ROLE
 from eugo_dask.schedule import (
     CopyMode,
@@ -47,8 +53,10 @@ from eugo_dask.schedule import (
     dual_slot_seconds,
 )
 
-#: the resources of a GPU worker: one kernel, one copy each way at a time
-GPU_WORKER_RESOURCES = {"GPU": 1, "UP": 1, "DOWN": 1}
+#: the resources of a GPU worker: one kernel at a time
+GPU_WORKER_RESOURCES = {"GPU": 1}
+#: a GPU worker's threads: the kernel's, and one for a copy each way
+GPU_WORKER_THREADS = 3
 #: the key (and layer) of the task that gathers the outputs
 DONE = "timed-done"
 
@@ -58,21 +66,15 @@ def _sleep(seconds: float, *inputs: Any) -> int:
     return 0
 
 
-#: (worker, direction) -> the lock of that worker's link in that direction (the workers of a
-#: timed cluster run in one process): a copy task and a dual task's own copies take it
-_links: dict[tuple[str, str], threading.Lock] = {}
+_links: dict[str, threading.Lock] = {}
 _links_lock = threading.Lock()
 
 
-def _link(direction: str) -> threading.Lock:
-    worker = current_worker()
+def _sleep_on_link(link: str, seconds: float, *inputs: Any) -> int:
+    """A copy: ``seconds`` on link ``link`` (a GPU worker's, one direction), once it is free."""
     with _links_lock:
-        return _links.setdefault((getattr(worker, "address", ""), direction), threading.Lock())
-
-
-def _sleep_copy(direction: str, seconds: float, *inputs: Any) -> int:
-    """A copy on this worker's link in ``direction`` (``up``, ``down``)."""
-    with _link(direction):
+        lock = _links.setdefault(link, threading.Lock())
+    with lock:
         time.sleep(seconds)
     return 0
 
@@ -86,9 +88,10 @@ def _sleep_dual(thread_s: float, in_s: float, kernel_s: float, back_s: float,
     if granted.get("GPU", 0) < 1:
         time.sleep(thread_s)
         return 0
+    worker = getattr(current_worker(), "address", "")
     for direction, seconds in (("up", in_s), ("", kernel_s), ("down", back_s)):
         if direction and seconds:
-            _sleep_copy(direction, seconds)
+            _sleep_on_link(f"{worker}-{direction}", seconds)
         else:
             time.sleep(seconds)
     return 0
@@ -105,6 +108,10 @@ class TimedRun:
     dilation: float
     #: where each task of the graph ran: -1 the CPU worker, g GPU worker g (as assigned)
     ran: tuple[int, ...] = ()
+    #: copies held on the scheduler until a device task ended (``ahead``)
+    gated: int = 0
+    #: each task's and copy's compute (start, stop), wall clock, by key
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def task_key(i: int, dual: frozenset[int]) -> str:
@@ -133,16 +140,22 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
             layers[layer], annotations[layer] = {}, restriction
         layers[layer][key] = task
 
+    def copy(layer: str, key: str, g: int, seconds: float, source: str) -> None:
+        """A copy on GPU ``g``'s link ``layer`` (up or down): in its slot, or on its link."""
+        restriction: dict[str, Any] = {"workers": [gpu_workers[g]], "allow_other_workers": False}
+        if copies == "slot":
+            task = Task(key, _sleep, seconds, TaskRef(source))
+            restriction["resources"] = {"GPU": 1}
+        else:
+            task = Task(key, _sleep_on_link, f"{gpu_workers[g]}-{layer}", seconds, TaskRef(source))
+        add(f"{layer}-{g}", key, task, restriction)
+
     def down(u: int) -> str:
         """The copy of value ``u`` back to the host, made once."""
         g = where[u]
         key = f"down-{u}"
         if key not in layers.get(f"down-{g}", {}):
-            seconds = machine.d2h_s(costs.nbytes[u]) * dilation
-            add(f"down-{g}", key, Task(key, _sleep_copy, "down", seconds,
-                                       TaskRef(task_key(u, dual))),
-                {"workers": [gpu_workers[g]], "allow_other_workers": False,
-                 "resources": {"GPU" if copies == "slot" else "DOWN": 1}})
+            copy("down", key, g, machine.d2h_s(costs.nbytes[u]) * dilation, task_key(u, dual))
         return key
 
     def up(u: int, g: int) -> str:
@@ -150,10 +163,7 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
         key = f"up-{u}-{g}"
         if key not in layers.get(f"up-{g}", {}):
             source = task_key(u, dual) if where[u] < 0 else down(u)
-            seconds = machine.h2d_s(costs.nbytes[u]) * dilation
-            add(f"up-{g}", key, Task(key, _sleep_copy, "up", seconds, TaskRef(source)),
-                {"workers": [gpu_workers[g]], "allow_other_workers": False,
-                 "resources": {"GPU" if copies == "slot" else "UP": 1}})
+            copy("up", key, g, machine.h2d_s(costs.nbytes[u]) * dilation, source)
         return key
 
     for i in range(len(costs)):
@@ -192,8 +202,33 @@ def timed_graph(costs: Costs, schedule: Schedule, machine: Machine, *, dilation:
     return graph, DONE
 
 
+class _Gating(SchedulerPlugin):
+    """Holds the timed graph's copies to the devices (``up-…``) as eugo's plugin holds a
+    graph's (:meth:`~eugo_dask.gates.Gates.pace`), ``ahead`` device tasks ahead."""
+
+    name = "eugo-timed-gating"
+
+    def __init__(self, scheduler: Any, ahead: int) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        self.scheduler, self.ahead = scheduler, ahead
+        self.gates = Gates()
+        self.watchdog = PeriodicCallback(lambda: self.gates.check(scheduler), CHECK_MS)
+        self.watchdog.start()
+
+    def update_graph(self, scheduler: Any, *, tasks: list | None = None, **kwargs: Any) -> None:
+        keys = [str(k) for k in tasks or ()]
+        device = [k for k in keys if k.startswith("task-")
+                  and (scheduler.tasks[k].resource_restrictions or {}).get("GPU")]
+        self.gates.pace(scheduler, [k for k in keys if k.startswith("up-")], device, None,
+                        self.ahead)
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        self.gates.transition(self.scheduler, key, finish)
+
+
 async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: float,
-               copies: CopyMode, timeout_s: float) -> TimedRun:
+               copies: CopyMode, ahead: int | None, timeout_s: float) -> TimedRun:
     from dask.delayed import Delayed
     from distributed import Client, Scheduler, Worker
 
@@ -207,11 +242,19 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
                 from eugo_dask.plugin import EugoSchedulerPlugin
 
                 await client.register_plugin(EugoSchedulerPlugin())
+            gating = None
+            if ahead is not None and copies == "link":
+                gating = _Gating(scheduler, ahead)
+                scheduler.add_plugin(gating)
             graph, done = timed_graph(costs, schedule, machine, dilation=dilation,
                                          copies=copies, cpu_worker=cpu.address,
                                          gpu_workers=[w.address for w in gpus])
             future = client.compute(Delayed(done, graph), optimize_graph=False)
-            await asyncio.wait_for(future, timeout_s)
+            try:
+                await asyncio.wait_for(future, timeout_s)
+            finally:
+                if gating is not None:
+                    gating.watchdog.stop()
             copies_run = sum(len(graph.layers[name]) for name in graph.layers
                              if name.startswith(("up-", "down-")))
             span = (max(clock.stops) - min(clock.starts)) if clock.starts else 0.0
@@ -219,7 +262,8 @@ async def _run(costs: Costs, schedule: Schedule, machine: Machine, dilation: flo
             dual = _dual_tasks(costs, schedule)
             ran = tuple(unit.get(clock.workers.get(task_key(i, dual), ""), -2)
                         for i in range(len(costs)))
-            return TimedRun(span / dilation, len(clock.starts), copies_run, dilation, ran)
+            return TimedRun(span / dilation, len(clock.starts), copies_run, dilation, ran,
+                            gating.gates.made if gating is not None else 0, dict(clock.spans))
 
 
 class _Clock(SchedulerPlugin):
@@ -231,6 +275,7 @@ class _Clock(SchedulerPlugin):
         self.starts: list[float] = []
         self.stops: list[float] = []
         self.workers: dict[Any, str] = {}  # key -> the worker that ran it
+        self.spans: dict[str, tuple[float, float]] = {}  # key -> its compute's start, stop
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if start == "processing" and finish == "memory":
@@ -239,6 +284,7 @@ class _Clock(SchedulerPlugin):
                 if part.get("action") == "compute":
                     self.starts.append(part["start"])
                     self.stops.append(part["stop"])
+                    self.spans[str(key)] = (part["start"], part["stop"])
 
 
 class _gpu_workers:
@@ -251,7 +297,8 @@ class _gpu_workers:
     async def __aenter__(self) -> list[Any]:
         from distributed import Worker
 
-        self.workers = [Worker(self.address, nthreads=3, resources=dict(GPU_WORKER_RESOURCES))
+        self.workers = [Worker(self.address, nthreads=GPU_WORKER_THREADS,
+                               resources=dict(GPU_WORKER_RESOURCES))
                         for _ in range(self.count)]
         await asyncio.gather(*self.workers)
         return self.workers
@@ -261,6 +308,9 @@ class _gpu_workers:
 
 
 def run_timed(costs: Costs, schedule: Schedule, *, dilation: float, copies: CopyMode = "link",
-              timeout_s: float = 300.0) -> TimedRun:
-    """Run ``schedule`` (its assignment) on a timed cluster of ``schedule.machine``'s shape."""
-    return asyncio.run(_run(costs, schedule, schedule.machine, dilation, copies, timeout_s))
+              ahead: int | None = None, timeout_s: float = 300.0) -> TimedRun:
+    """Run ``schedule`` (its assignment) on a timed cluster of ``schedule.machine``'s shape
+    (``ahead``: the device tasks whose copies to the devices may run ahead, as
+    :func:`~eugo_dask.schedule.simulate` takes it; None: no gate)."""
+    return asyncio.run(_run(costs, schedule, schedule.machine, dilation, copies, ahead,
+                            timeout_s))

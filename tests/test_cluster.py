@@ -21,7 +21,7 @@ import pytest
 from dask.array.utils import assert_eq
 from dask.utils import key_split
 from distributed import Client, span
-from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 import eugo_dask
 from eugo_dask.plugin import MAX_PREFIXES, EugoSchedulerPlugin
@@ -381,8 +381,7 @@ def test_reads_are_paced_to_a_slow_device(tmp_path, read_ahead):
             future = client.compute(y)
         seen = wait_until(lambda: client.run_on_scheduler(reads_as_scheduled), timeout=30,
                           every=0.05)
-        assert float(future.result(timeout=120)) == pytest.approx(
-            3000 * 3000 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+        total = float(future.result(timeout=120))
         # reads stay root-ish tasks, unrestricted: distributed queues them where workers are busy
         assert seen and all(root and not restricted and not resources and producer
                             for _, root, restricted, resources, producer in seen)
@@ -391,19 +390,100 @@ def test_reads_are_paced_to_a_slow_device(tmp_path, read_ahead):
         warnings = client.run_on_scheduler(
             lambda dask_scheduler: list(dask_scheduler.plugins["eugo"].warnings))
         tokens = {w for k, role, w in placements(client) if role == "pace"}
+        gates = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.plugins["eugo"].gates.summary())
+        with dask.config.set(optimizations=[]):  # plain Dask's, on the same cluster
+            plain = float(client.compute(y).result(timeout=120))
+    assert total == pytest.approx(plain, rel=1e-5)
     assert finished.count("array") == 100 and sum(p.startswith("eugo-gpu") for p in finished) == 100
     ahead = [w for w in warnings if "run ahead of its device" in w]
     if read_ahead is not None:
         # paced: never more than the window's reads done ahead of the device, no warning;
-        # the tokens ran on the GPU worker
+        # held back by the plugin on the scheduler (no token task, nothing fetched), every
+        # gate let go by its device task ending, none by the watchdog
         assert most_reads_ahead(finished) <= window, finished
-        assert not ahead and tokens == {"gpu"}
+        assert not ahead and not tokens
+        assert gates["made"] >= 100 - window and gates["forced"] == 0 and not gates["held"], gates
     else:
         # unpaced, the reads run ahead of the device (dask/distributed#9164): the plugin says
         # so, once for the graph
         assert most_reads_ahead(finished) > 2 * window
         assert len(ahead) == 1 and "tasks are assigned to GPU worker gpu" in ahead[0], warnings
-        assert not tokens
+        assert not tokens and not gates["made"]
+
+
+def gates_of(client):
+    return client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins["eugo"].gates.summary())
+
+
+@pytest.mark.parametrize("killed", ["gpu", "cpu-1"])
+def test_a_worker_killed_while_reads_and_copies_are_held_hangs_nothing(tmp_path, killed):
+    # the plugin holds reads and copies on the scheduler until device tasks end: the GPU worker
+    # dying (its pending device work then runs its CPU path, the gates with it) or a CPU worker
+    # dying (its reads run again elsewhere) leaves nothing held, and the result is plain Dask's
+    workers = {"gpu": {"gpu": True, "extra": ["--preload", SLOW_DEVICE]}, "cpu-1": {}, "cpu-2": {}}
+    x = da.from_array(_Lazy((3000, 3000)), chunks=300)  # 100 reads
+    y = np.exp(np.sin(x)).sum()
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        with dask.config.set(SETTINGS):
+            future = client.compute(y)
+        # killed while reads and copies wait on the scheduler for device tasks
+        assert wait_until(lambda: gates_of(client)["held"] > 0
+                          and sum(role == "gpu" for _, role, _ in placements(client)) >= 10,
+                          timeout=60, every=0.05)
+        cluster.kill(killed)
+        total = float(future.result(timeout=120))
+        gates = gates_of(client)
+        with dask.config.set(optimizations=[]):  # plain Dask's, on the cluster left
+            plain = float(client.compute(y).result(timeout=120))
+    assert total == pytest.approx(plain, rel=1e-5)
+    assert gates["made"] > 0 and not gates["held"], gates
+
+
+def _reset_device_peak():
+    from eugo_dask.devices.emulated import EmulatedDevice
+    from eugo_dask.devices.stats import _live_devices
+
+    for device in list(_live_devices):
+        if isinstance(device, EmulatedDevice):
+            device.reset_peak()
+
+
+def _device_peak():
+    from eugo_dask.devices.stats import device_memory_stats
+
+    return sum(o["array_peak_bytes"] for s in device_memory_stats() if s["device"] == "emulated"
+               for o in s["ordinals"])
+
+
+def test_copies_to_the_device_are_held_to_the_devices_pace(tmp_path):
+    # every block of a is in memory on the CPU workers before the product starts: every copy
+    # to the device is ready at once, and copies ask for no GPU slot. Ungated
+    # (eugo.read-ahead: null), the GPU worker copies blocks far ahead of its 50 ms kernels;
+    # gated, each copy waits for the device task 3 places before its consumer to end
+    # (old code: the same high water either way, ~50 blocks on a4771a1, ~20 on main)
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": ["--preload", SLOW_DEVICE]},
+               "cpu-1": {}, "cpu-2": {}}
+    block = 300 * 300 * 4
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        (gpu,) = [w for w, i in client.scheduler_info()["workers"].items() if i["resources"]]
+        cpu = [w for w in client.scheduler_info()["workers"] if w != gpu]
+        with dask.config.set(optimizations=[]):
+            a = client.persist(da.random.default_rng(0).random((1800, 1800), chunks=300,
+                                                                 dtype=np.float32), workers=cpu)
+            expected = float(da.exp(a @ a.T).sum().compute())
+        high = {}
+        for name, read_ahead in (("ungated", None), ("gated", 2)):
+            client.run(_reset_device_peak, workers=[gpu])
+            with dask.config.set({**SETTINGS, "eugo.read-ahead": read_ahead}):
+                total = float(client.compute(da.exp(a @ a.T).sum()).result(timeout=120))
+            assert total == pytest.approx(expected, rel=1e-4)
+            high[name] = client.run(_device_peak, workers=[gpu])[gpu] / block
+        gates = gates_of(client)
+    # 36 blocks of a, 216 products: gated, the device holds a few tasks' blocks at a time
+    assert high["gated"] <= 16 and high["ungated"] >= 3 * high["gated"], high
+    assert gates["made"] > 0 and gates["forced"] == 0 and not gates["held"], gates
 
 
 def test_copies_overlap_kernels_on_a_gpu_worker(tmp_path):
@@ -434,6 +514,45 @@ def test_copies_overlap_kernels_on_a_gpu_worker(tmp_path):
     overlapping = [c for c in spans["copy"]
                    if any(k[0] + margin <= c[0] and c[1] <= k[1] - margin for k in spans["kernel"])]
     assert overlapping, "no copy ran while a kernel held the GPU slot"
+
+
+class CopyStarts(WorkerPlugin):
+    """On each worker: for every copy as it starts, whether a task of higher priority (a kernel,
+    in Dask's order before it) waited in the worker's queue of tasks that ask for resources."""
+
+    name = "copy-starts"
+
+    def setup(self, worker):
+        self.worker = worker
+        worker.eugo_copy_starts = self.starts = []
+
+    def transition(self, key, start, finish, **kwargs):
+        if finish != "executing" or not key_split(key).startswith("eugo-todevice"):
+            return
+        state = self.worker.state
+        ts = state.tasks[key]
+        self.starts.append(any(other.priority < ts.priority for other in state.constrained))
+
+
+def test_copies_do_not_wait_behind_kernels_waiting_for_the_slot(tmp_path):
+    # a worker takes every task that asks for a resource from one queue, in priority order, and
+    # stops at its head while that task's resources are taken (_ensure_computing): a copy that
+    # asked for none of the slot ({GPU: 0}) started only once every kernel before it had the
+    # slot, its thread free meanwhile. Asking for no resource, it starts on a free thread while
+    # kernels before it wait (on the old code: never, in all 64 copies)
+    workers = {"gpu": {"gpu": True, "nthreads": 2, "extra": ["--preload", SLOW_DEVICE]},
+               "cpu": {}}
+    x = da.from_array(_Lazy((2400, 2400)), chunks=300)  # 64 reads
+    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+        client.register_plugin(CopyStarts())
+        with dask.config.set(SETTINGS):
+            total = float(client.compute(np.exp(np.sin(x)).sum()).result(timeout=120))
+        starts = client.run(lambda dask_worker: dask_worker.eugo_copy_starts)
+        names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+    assert total == pytest.approx(2400 * 2400 * np.exp(np.sin(np.float32(0.5))), rel=1e-3)
+    by_name = {names[a]: s for a, s in starts.items()}
+    assert len(by_name["gpu"]) >= 64 and not by_name["cpu"], {k: len(v) for k, v in by_name.items()}
+    assert any(by_name["gpu"]), "every copy waited until the kernels before it had the slot"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,15 +793,20 @@ def test_every_task_keeps_the_users_restrictions(tmp_path):
             for mode, seen in runs.items():
                 for prefix, resources, worker_restrictions, hosts, loose, ran_on in seen:
                     # every task as the user said, eugo's device tasks on the GPU worker besides:
-                    # kernels hold its slot, copies ask for none of it (they overlap kernels)
-                    # and, where the user named no workers, are kept to the GPU workers
+                    # kernels hold its slot; copies, where the user named no workers, are kept
+                    # to the GPU workers and ask for no resource of eugo's (one that asks for
+                    # none of the slot still waits behind kernels in the worker's queue of
+                    # tasks with resources), and where the user named workers, for none of
+                    # the slot ({GPU: 0}: only workers advertising it meet that)
                     copy = prefix.startswith(("eugo-todevice", "eugo-tohost"))
-                    mine = {"GPU": 0} if copy else {"GPU": 1} if is_device_task(prefix) else {}
+                    mine = (({"GPU": 0} if user["workers"] else {}) if copy else
+                            {"GPU": 1} if is_device_task(prefix) else {})
                     assert resources == {**user["resources"], **mine}, (mode, prefix, resources)
                     assert worker_restrictions == (user["workers"] or ([gpu] if copy else [])), (
                         mode, prefix)
                     assert not hosts and not loose, (mode, prefix)
-                    assert ran_on in user["ran on"] and (ran_on == "gpu" or not mine), (mode, prefix)
+                    assert ran_on in user["ran on"] and (ran_on == "gpu" or not (mine or copy)), (
+                        mode, prefix)
             for kind in ("eugo-todevice", "eugo-tohost", "eugo-gpu"):  # each kind was checked
                 assert any(prefix.startswith(kind) for prefix, *_ in device), (kind, device)
             assert {ran_on for *_, ran_on in device} == {"gpu"}

@@ -1322,3 +1322,16 @@ def test_a_forked_child_probes_again_and_falls_back_to_the_cpu(fake, monkeypatch
         cuda.cupy_device_count.cache_clear()
     assert said == ("ok no CUDA device CuPy can use on this worker (CuPy is installed but finds "
                     "no usable CUDA device (cudaError 3))"), said
+
+
+def test_the_emulated_device_keeps_its_high_water_of_live_arrays(device):
+    first = device.to_device(np.ones(1000))
+    second = device.to_device(np.ones(500))
+    del first, second  # freed: the bytes in live arrays fall, the high water stays
+    entry = device.memory_stats()["ordinals"][0]
+    assert (entry["array_bytes"], entry["array_peak_bytes"]) == (0, 12_000)
+    kept = device.to_device(np.ones(250))
+    assert device.memory_stats()["ordinals"][0]["array_peak_bytes"] == 12_000
+    device.reset_peak()  # from the bytes live now
+    assert device.memory_stats()["ordinals"][0]["array_peak_bytes"] == 2_000
+    del kept

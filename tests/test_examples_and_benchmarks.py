@@ -226,6 +226,19 @@ def test_benchmark_quick(argv, tmp_path):
         assert (tmp_path / "seed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def check_device_memory(out: str) -> None:
+    high: dict[str, list[float]] = {}  # run -> each round's device high water, MiB
+    for line in out.splitlines():
+        cells = line.split()
+        if len(cells) == 4 and cells[0] in ("ungated", "gated") and cells[1].isdigit():
+            high.setdefault(cells[0], []).append(float(cells[1]))
+    assert set(high) == {"ungated", "gated"} and len(high["gated"]) == 3
+    # every copy ready at once: ungated, the device holds far more than gated
+    assert max(high["gated"]) < min(high["ungated"])
+    assert re.search(r"gates made [1-9]\d*, released by the watchdog 0", out)
+    assert "results agree: True" in out
+
+
 def check_joint_plans(out: str) -> None:
     planned, counted = out.split("\ncounted (device_stats)\n")
     assert "\nplanned (explain)\n" in planned
@@ -274,7 +287,8 @@ def check_copy_engine(out: str) -> None:
 CHECKS = {"pass_overhead": check_pass_overhead, "enabled_overhead": check_enabled_overhead,
           "plugin_throughput": check_plugin_throughput, "seed_table": check_seed_table,
           "mixed_pipelines": check_mixed_pipelines, "prediction_accuracy": check_prediction_accuracy,
-          "root_tasks": check_root_tasks, "joint_plans": check_joint_plans,
+          "root_tasks": check_root_tasks, "device_memory": check_device_memory,
+          "joint_plans": check_joint_plans,
           "makespan": check_makespan, "copy_engine": check_copy_engine}
 
 

@@ -32,8 +32,9 @@ class Lazy:
 
 @pytest.fixture
 def window(monkeypatch):
-    """The pass paces reads with a window of 4, as on a cluster with GPU workers."""
-    monkeypatch.setattr(optimization, "_read_window", lambda settings: 4)
+    """The pass paces reads with a window of 4 (and copies with one of 3 device tasks, which
+    only eugo's scheduler plugin acts on), as on a cluster with GPU workers."""
+    monkeypatch.setattr(optimization, "_read_window", lambda settings: (4, 3))
     return 4
 
 

@@ -4,7 +4,9 @@ CPU worker. Clusters here are separate processes started with the ``dask`` CLI."
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 
 import dask
@@ -260,3 +262,51 @@ def test_a_task_error_on_the_device_path_is_raised_as_plain_dask_and_logged_as_i
     own = ("eugo: a task of add raised ValueError on the device and again on its CPU path: the "
            "task's own error, raised to the caller as plain Dask raises it; no fallback counted")
     assert all(m.startswith(own) for m in logged), logged
+
+
+_RELEASE_KERNEL = threading.Event()
+
+
+def _held_kernel():
+    assert _RELEASE_KERNEL.wait(60), "the test never released the kernel"
+    return "kernel"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("copy_asks", [{"GPU": 0}, None])
+def test_distributed_runs_a_task_asking_for_a_resource_only_at_its_queues_head(copy_asks):
+    # plain distributed, no eugo: the fact the plugin's copy restrictions rest on. A worker
+    # keeps every task that asks for a resource in one queue, in priority order, whose head
+    # stops the rest while its resources are taken: a task asking for none of the slot
+    # ({GPU: 0}) waits behind a kernel waiting for the slot, a thread free beside them; one
+    # asking for no resource runs on the free thread
+    from distributed.utils_test import gen_cluster
+
+    _RELEASE_KERNEL.clear()
+
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 2, {"resources": {"GPU": 1}})])
+    async def run(client, scheduler, worker):
+        running = client.submit(_held_kernel, resources={"GPU": 1}, priority=10, pure=False)
+        waiting = client.submit(_held_kernel, resources={"GPU": 1}, priority=9, pure=False)
+        copy = client.submit(lambda: "copy", resources=copy_asks, priority=0, pure=False)
+        state = worker.state
+        deadline = time.monotonic() + 30
+        while not (copy.key in state.tasks and waiting.key in state.tasks
+                   and state.tasks[running.key].state == "executing"
+                   and state.tasks[waiting.key].state == "constrained"
+                   and state.tasks[copy.key].state not in ("waiting", "released")):
+            assert time.monotonic() < deadline, {k: t.state for k, t in state.tasks.items()}
+            await asyncio.sleep(0.01)
+        try:
+            if copy_asks:  # queued behind the waiting kernel, a thread free
+                assert state.tasks[copy.key].state == "constrained"
+                assert len(state.executing) == 1 < state.nthreads
+            else:  # done while the first kernel still holds the slot
+                assert await asyncio.wait_for(copy, 30) == "copy"
+                assert state.tasks[running.key].state == "executing"
+        finally:
+            _RELEASE_KERNEL.set()
+        assert await asyncio.wait_for(client.gather([running, waiting, copy]), 60) == [
+            "kernel", "kernel", "copy"]
+
+    run()

@@ -82,6 +82,28 @@ def test_copies_in_the_device_slot_serialise_with_kernels():
     assert link.gpu_tasks == slot.gpu_tasks == 2
 
 
+def test_copies_on_the_links_run_at_most_ahead_device_tasks_ahead():
+    # four independent GPU tasks, each reading its own 1 GB host chunk (a copy of 1 s) and
+    # running 1 s: unbounded, the copies run back to back (the last done at 4 s, while the
+    # device runs the second kernel); held as eugo's plugin holds them, the copies of the k-th
+    # device task start once the (k - ahead)-th has ended
+    c = costs([0.0] * 4 + [5.0] * 4, [None] * 4 + [1.0] * 4, [(), (), (), (), (0,), (1,), (2,), (3,)],
+              nbytes=[10**9] * 4 + [0] * 4, outputs={4, 5, 6, 7},
+              placement=[False] * 4 + [True] * 4)
+    unbounded = simulate(c, ONE_GPU, "static")
+    assert unbounded.makespan_s == pytest.approx(5.0)  # copies 0-4 s, kernels 1-5 s
+    # ahead 2: each copy as soon as the kernel two before it has ended, and the device never
+    # waits (copy 3 at 2-3 s, copy 4 at 3-4 s)
+    assert simulate(c, ONE_GPU, "static", ahead=2).makespan_s == pytest.approx(5.0)
+    # ahead 1: a copy only once the kernel before has ended: copy and kernel alternate
+    one = simulate(c, ONE_GPU, "static", ahead=1)
+    assert one.makespan_s == pytest.approx(8.0)
+    # (the copies in the GPU slot wait for the kernels anyway: no gate there)
+    assert simulate(c, ONE_GPU, "static", copies="slot", ahead=1).makespan_s == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="ahead must be a whole number >= 1 or None; got 0"):
+        simulate(c, ONE_GPU, "static", ahead=0)
+
+
 def test_dmda_uses_both_kinds_where_the_static_plan_idles_the_cpu():
     # every task 2x faster on the device, all placed there: the two threads idle
     c = costs([1.0] * 8, [0.5] * 8, [()] * 8, outputs=set(), placement=[True] * 8)
@@ -134,10 +156,16 @@ def test_explain_says_the_bound_and_the_predicted_makespan():
     summary = plan.schedule
     assert summary is not None
     assert summary.predicted.makespan_s >= summary.bound.seconds > 0
-    # (copy tasks ask for none of the GPU slot: they run on the links, beside the kernels)
+    # (copy tasks ask for none of the GPU slot: they run on the links, beside the kernels,
+    # those to the device at most (eugo.read-ahead + 1) x GPUs device tasks ahead: 3 here)
     assert math.isclose(summary.predicted.makespan_s,
                         simulate(summary.costs, summary.machine, "static",
-                                 copies="link").makespan_s)
+                                 copies="link", ahead=3).makespan_s)
+    with dask.config.set({"eugo.profile": "h200", "eugo.device": "none", "eugo.read-ahead": None}):
+        unbounded = explain(da.exp(da.sin(x @ x)).mean()).schedule
+    assert unbounded is not None and math.isclose(
+        unbounded.predicted.makespan_s,
+        simulate(unbounded.costs, unbounded.machine, "static", copies="link").makespan_s)
     text = str(plan)
     assert "lower bound" in text and "predicted makespan" in text
     assert plan.to_dict()["schedule"]["bound_s"] == pytest.approx(summary.bound.seconds)

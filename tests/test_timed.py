@@ -52,6 +52,38 @@ def test_a_schedule_runs_where_it_was_assigned_and_never_beats_the_bound(copies)
     assert run.makespan_s >= lower_bound(c, MACHINE).seconds
 
 
+def most_copies_ahead(spans):
+    """The most copies to the device started, less device tasks ended, at any copy's start."""
+    ups = sorted(start for key, (start, _) in spans.items() if key.startswith("up-"))
+    ends = sorted(stop for key, (_, stop) in spans.items()
+                  if key.startswith("task-") and int(key[5:]) >= 8)  # (the device tasks)
+    return max(i + 1 - sum(e <= start for e in ends) for i, start in enumerate(ups))
+
+
+def test_gated_copies_run_at_most_ahead_device_tasks_ahead():
+    # eight independent GPU tasks on one GPU, each reading its own host chunk, the copies 4x
+    # shorter than the kernels: free, the copies run on their link far ahead of the device;
+    # with ahead 1 the scheduler holds each (eugo_dask.gates) until the device task before its
+    # consumer has ended, so at most one copy is started whose device task has not ended
+    machine = Machine(cpu_threads=2, gpus=1, h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9)
+    n = 8
+    c = Costs(keys=[f"k-{i}" for i in range(2 * n)], cpu_s=[0.0] * n + [0.16] * n,
+              gpu_s=[None] * n + [0.04] * n, nbytes=[10**7] * n + [8] * n,
+              deps=[()] * n + [(i,) for i in range(n)], outputs=frozenset(range(n, 2 * n)),
+              placement=[False] * n + [True] * n)
+    schedule = simulate(c, machine, "static", ahead=1)
+    free = run_timed(c, schedule, dilation=5.0, timeout_s=120)
+    held = run_timed(c, schedule, dilation=5.0, ahead=1, timeout_s=120)
+    assert held.ran == free.ran == schedule.assignment
+    assert free.gated == 0 and most_copies_ahead(free.spans) >= 3
+    assert held.gated == n - 1 and most_copies_ahead(held.spans) == 1
+    assert held.makespan_s >= lower_bound(c, machine).seconds
+    # (the model makes copies when their value is made, held only by device tasks already
+    # placed: here every value is made at once, before any, so it cannot show the hold; the
+    # timed cluster above is what holds them as the plugin does)
+    assert schedule.makespan_s >= lower_bound(c, machine).seconds
+
+
 def test_dual_tasks_are_placed_at_run_time_by_the_plugin_and_never_beat_the_bound():
     # the 8 device-capable tasks dual: eugo's scheduler plugin sends each where it expects it
     # to finish first; the timed cluster's workers sleep the durations of where they ran
@@ -79,8 +111,13 @@ def test_a_dual_task_on_a_gpu_slot_copies_holding_its_worker_s_link(monkeypatch)
 
     held = []
     monkeypatch.setattr(timed, "granted_resources", lambda: {"GPU": 1})
+
+    def link(direction):  # the lock of the link (a worker outside a worker: address "")
+        with timed._links_lock:
+            return timed._links.setdefault(f"-{direction}", timed.threading.Lock())
+
     monkeypatch.setattr(timed.time, "sleep", lambda seconds: held.append(
-        (seconds, timed._link("up").locked(), timed._link("down").locked())))
+        (seconds, link("up").locked(), link("down").locked())))
     assert timed._sleep_dual(9.0, 1.0, 2.0, 3.0) == 0
     assert held == [(1.0, True, False), (2.0, False, False), (3.0, False, True)]
     held.clear()
@@ -88,5 +125,5 @@ def test_a_dual_task_on_a_gpu_slot_copies_holding_its_worker_s_link(monkeypatch)
     timed._sleep_dual(9.0, 1.0, 2.0, 3.0)
     assert held == [(9.0, False, False)]
     held.clear()
-    timed._sleep_copy("down", 4.0)
+    timed._sleep_on_link("-down", 4.0)
     assert held == [(4.0, False, True)]

@@ -118,6 +118,7 @@ class EmulatedDevice(Device):
         self._count = int(count)
         self._used = [0] * count
         self._held = [0] * count
+        self._peak = [0] * count  # the most bytes in live arrays, since start or reset_peak()
         # arrays are freed by finalizers, which may run inside the pool's locked sections
         self._pool_lock = DeferringLock()
         self._faults: deque[tuple[str, str]] = deque()
@@ -181,6 +182,14 @@ class EmulatedDevice(Device):
                         "eugo.emulated.memory-limit)"
                     )
             self._used[ordinal] += nbytes
+            if self._used[ordinal] > self._peak[ordinal]:
+                self._peak[ordinal] = self._used[ordinal]
+
+    def reset_peak(self) -> None:
+        """Start the high-water gauge (``array_peak_bytes``) again from the bytes in live
+        arrays now."""
+        with self._pool_lock:
+            self._peak = list(self._used)
 
     def _release(self, nbytes: int, ordinal: int) -> None:
         """A freed array's block goes back to the pool (under the pool lock: its finalizer
@@ -190,7 +199,8 @@ class EmulatedDevice(Device):
 
     def memory_stats(self) -> dict[str, Any]:
         with self._pool_lock:
-            ordinals = [{"ordinal": o, "array_bytes": self._used[o], "pool_used_bytes": self._used[o],
+            ordinals = [{"ordinal": o, "array_bytes": self._used[o],
+                         "array_peak_bytes": self._peak[o], "pool_used_bytes": self._used[o],
                          "pool_held_bytes": self._used[o] + self._held[o],
                          "pool_limit_bytes": self.pool_limit_bytes,
                          "capacity_bytes": self.memory_limit_bytes, "fft_plans": 0,

@@ -42,8 +42,9 @@ class DeviceMetricsCollector:
                 name = stats["device"]
                 for entry in stats["ordinals"]:
                     labels = [name, str(entry["ordinal"])]
-                    for kind in ("array_bytes", "pool_used_bytes", "pool_held_bytes", "pool_limit_bytes",
-                                 "capacity_bytes", "fft_plan_bytes"):
+                    for kind in ("array_bytes", "array_peak_bytes", "pool_used_bytes",
+                                 "pool_held_bytes", "pool_limit_bytes", "capacity_bytes",
+                                 "fft_plan_bytes"):
                         if entry.get(kind) is not None:
                             memory.add_metric([*labels, kind.removesuffix("_bytes")], entry[kind])
                     plans.add_metric(labels, entry.get("fft_plans", 0))
