@@ -25,6 +25,10 @@ Nothing is held forever:
 - a gate whose worker dies is recomputed by the scheduler, and its tasks wait for it;
 - a held task that is cancelled or forgotten leaves the scheduler's records of its gate as any
   task does;
+- a task submitted again while held (the same collection computed twice at once, graphs sharing
+  reads) is compared by the scheduler with what it had, dependencies included: the gate is
+  hidden from that comparison (:meth:`Gates.install`), so distributed neither warns of a
+  different ``run_spec`` for the key nor skips adding the graph's dependencies to it;
 - a watchdog (:meth:`Gates.check`, from a periodic callback) releases every gate where no task
   has finished anywhere for :data:`STALL_S` while tasks are held, so even a wrong gate (one
   that waited, through other tasks, on what it holds) costs a pause, never a hang, and releases a
@@ -63,6 +67,9 @@ class Gates:
     def __init__(self) -> None:
         self.held: dict[Key, set[Key]] = {}  # a gate -> the tasks it holds
         self.paced: set[Key] = set()  # the tasks held, until they are forgotten
+        # the reads of a paced graph inside its window (the first ``reads_ahead``, never held:
+        # paced all the same), until they are forgotten
+        self.within: set[Key] = set()
         self.last_finished = time.monotonic()
         #: gates made, and gates released by the watchdog (not by their task ending)
         self.made = 0
@@ -202,16 +209,56 @@ class Gates:
                     reads[read] = min((first_of[c] for c in read.dependents if c in first_of),
                                       default=first)
         by_first = sorted(reads.items(), key=lambda item: (item[1], item[0].priority or ()))
+        self.within.update(ts.key for ts, _ in by_first[:reads_ahead])
         for j in range(reads_ahead, len(by_first)):
             gate = _ended(ordered[by_first[j - reads_ahead][1]])
             if self.hold(scheduler, by_first[j][0].key, gate.key):
                 held += 1
         return held
 
+    def install(self, scheduler: Scheduler) -> bool:
+        """Hide the gates from the scheduler's check of a resubmitted task
+        (``Scheduler._generate_taskstates`` compares the keys of a known task's
+        ``dependencies`` with the new graph's, warning "Detected different `run_spec`" and
+        treating the key as a collision where they differ): the edges of the held tasks the new
+        graph names are taken away for the call and put back after it, in the same tick of
+        the event loop. Whether it was installed (not where the scheduler has no such method)."""
+        original = getattr(scheduler, "_generate_taskstates", None)
+        if original is None or getattr(original, "_eugo_gates", None) is self:
+            return False
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            dsk = kwargs.get("dsk", args[1] if len(args) > 1 else None)
+            hidden = self._hide(scheduler, dsk) if self.paced and dsk else []
+            try:
+                return original(*args, **kwargs)
+            finally:
+                for ts, gts in hidden:
+                    if ts.key in self.paced and ts.key in self.held.get(gts.key, ()):
+                        ts.dependencies.add(gts)
+
+        generate._eugo_gates = self  # type: ignore[attr-defined]
+        scheduler._generate_taskstates = generate  # type: ignore[method-assign]
+        return True
+
+    def _hide(self, scheduler: Scheduler, dsk: Any) -> list[tuple[TaskState, TaskState]]:
+        """Take each held task that ``dsk`` names off its gates' ``dependencies`` (only
+        those: its gates' ``dependents``, ``waiting_on`` and ``waiters`` stay); what was taken."""
+        hidden = []
+        for key in [k for k in self.paced if k in dsk]:
+            ts = scheduler.tasks.get(key)
+            if ts is None:
+                continue
+            for gts in [d for d in ts.dependencies if key in self.held.get(d.key, ())]:
+                ts.dependencies.discard(gts)
+                hidden.append((ts, gts))
+        return hidden
+
     def forget(self, key: Key) -> None:
         """Task ``key`` is forgotten (its edges left with it); from :meth:`transition`."""
         self.held.pop(key, None)
         self.paced.discard(key)
+        self.within.discard(key)
 
     def summary(self) -> dict[str, Any]:
         return {"held": sum(map(len, self.held.values())), "gates": len(self.held),

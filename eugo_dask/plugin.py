@@ -220,8 +220,11 @@ class EugoSchedulerPlugin(SchedulerPlugin):
 
     def _watch_gates(self, scheduler: Scheduler) -> None:
         """Start the gates' watchdog (:meth:`~eugo_dask.gates.Gates.check`) on the scheduler's
-        loop; the scheduler stops it when it closes."""
+        loop, which the scheduler stops when it closes, and hide the gates from its check of
+        resubmitted tasks (:meth:`~eugo_dask.gates.Gates.install`)."""
         from tornado.ioloop import PeriodicCallback
+
+        self.gates.install(scheduler)
 
         callback = PeriodicCallback(
             functools.partial(self._guard, "gates", self.gates.check, scheduler), CHECK_MS)
@@ -535,7 +538,7 @@ class EugoSchedulerPlugin(SchedulerPlugin):
         return wanted
 
     def transition(self, key: Key, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
-        if self.gates.held or self.gates.paced:
+        if self.gates.held or self.gates.paced or self.gates.within:
             self._guard("gates", self.gates.transition, self.scheduler, key, finish)
         if (self.dual.costs or self.dual.charged) and (start == "processing"
                                                         or finish == "processing"):
@@ -974,9 +977,10 @@ def _is_root(ts: TaskState) -> bool:
 
 def _unpaced_read(ts: TaskState, gates: Gates) -> bool:
     """A root task (:func:`_is_root`) that neither the pass paced to the device (with a token)
-    nor the plugin (:mod:`eugo_dask.gates`)."""
+    nor the plugin (:mod:`eugo_dask.gates`: held, or one of the first reads its window lets
+    run)."""
     return (_is_root(ts) and getattr(ts.run_spec, "func", None) is not after_token
-            and ts.key not in gates.paced)
+            and ts.key not in gates.paced and ts.key not in gates.within)
 
 
 def _is_count(value: Any) -> bool:

@@ -72,6 +72,11 @@ def fail():
     raise ValueError("the gate failed")
 
 
+def fail_on_go():
+    assert GO.wait(30)
+    fail()
+
+
 def held_fn():
     """A held task: when it ran, and the dependencies its worker was told it has."""
     ts = get_worker().state.tasks[thread_state.key]
@@ -221,12 +226,16 @@ def test_a_gate_that_errs_lets_go_and_what_it_held_runs_as_in_plain_dask(where):
     async def run(c, s, a, b):
         plugin = holding(s, {"held": "gate"})
         if where == "processing":
-            gate = c.submit(fail, key="gate", priority=1)
+            gate = c.submit(fail_on_go, key="gate", priority=1)
         else:
-            gate = c.submit(lambda x: x, c.submit(fail, key="before", priority=2), key="gate",
-                            priority=1)
+            gate = c.submit(lambda x: x, c.submit(fail_on_go, key="before", priority=2),
+                            key="gate", priority=1)
         after = c.submit(lambda x: x, gate, key="after")
         held = c.submit(held_fn, key="held")
+        # (the gate fails once the task is held on it, not before: a gate already erred holds
+        # nothing)
+        await until(lambda: "held" in s.tasks and s.tasks["held"].state == "waiting")
+        GO.set()
         for future in (gate, after):
             with pytest.raises(ValueError, match="the gate failed"):
                 await future
@@ -306,3 +315,80 @@ async def test_a_copy_waits_for_the_copying_device_task_ahead_places_before(c, s
     expected = {f"c-{j}": f"A-{k}" for k, j in zip(order, order[1:])}
     assert plugin.made == expected, plugin.made
     assert not plugin.gates.held
+
+
+@pytest.mark.parametrize("installed", [True, False])
+@gen_cluster(client=True)
+async def test_a_held_task_submitted_again_is_the_same_task_to_the_scheduler(c, s, a, b,
+                                                                             installed):
+    # the same collection computed twice at once (or two graphs sharing their reads) sends a
+    # held task again: the scheduler compares its dependencies with the new graph's, and the
+    # gate among them made distributed warn "Detected different `run_spec` ... can cause
+    # failures and deadlocks" and skip adding the graph's dependencies to it
+    from distributed import Client
+    from distributed.utils_test import captured_logger
+
+    plugin = holding(s, {"held": "gate"})
+    if installed:  # (as eugo's plugin does when it starts; not: the scheduler as it is)
+        assert plugin.gates.install(s) and not plugin.gates.install(s)  # (once)
+    gate = c.submit(gate_fn, key="gate", priority=1, workers=[a.address])
+    held = c.submit(held_fn, key="held", workers=[b.address])
+    await until(lambda: "held" in s.tasks and s.tasks["held"].state == "waiting")
+    with captured_logger("distributed.scheduler") as log:
+        async with Client(s.address, asynchronous=True) as other:
+            again = other.submit(held_fn, key="held", workers=[b.address])
+            await until(lambda: len(s.tasks["held"].who_wants) == 2)
+            assert s.tasks["gate"] in s.tasks["held"].dependencies  # still held
+            GO.set()
+            ended = await gate
+            ran, dependencies = await again
+            assert (ran, dependencies) == await held
+    warned = "Detected different `run_spec`" in log.getvalue()
+    assert warned is not installed, log.getvalue()
+    assert ran >= ended and dependencies == set()
+    assert plugin.gates.summary()["held"] == 0
+
+
+
+class ReadPacing(Pacing):
+    """Paces reads (``r-…``, read by copies only) ``reads_ahead`` device tasks ahead."""
+
+    name = "read-pacing"
+
+    def update_graph(self, scheduler, *, tasks=None, **kwargs):
+        keys = [str(k) for k in tasks or ()]
+        self.gates.pace(scheduler, [k for k in keys if k.startswith("c-")],
+                        [k for k in keys if k.startswith("A-")], 2, self.ahead)
+        self.within = set(self.gates.within)
+
+
+@gen_cluster(client=True)
+async def test_the_reads_a_window_lets_run_count_as_paced_and_are_forgotten_with_the_graph(
+        c, s, a, b):
+    # the first reads_ahead reads are never held (they are the window), so the plugin's
+    # warning of reads running ahead of a GPU worker counted them as unpaced and warned while
+    # the plugin paced the graph
+    from dask.delayed import Delayed
+    from distributed import wait
+
+    from eugo_dask.plugin import _unpaced_read
+
+    plugin = ReadPacing(s, ahead=100)
+    s.add_plugin(plugin)
+    dsk = {}
+    for k in range(6):
+        dsk[f"r-{k}"] = (ident,)
+        dsk[f"c-{k}"] = (ident, f"r-{k}")
+        dsk[f"A-{k}"] = (ident, f"c-{k}")
+    dsk["out"] = (ident, *[f"A-{k}" for k in range(6)])
+    future = c.compute(Delayed("out", dsk), optimize_graph=False)
+    await until(lambda: "out" in s.tasks)
+    held = {k for keys in plugin.gates.held.values() for k in keys}
+    assert len(plugin.within) == 2 and held and not plugin.within & held
+    # (a read whose gate would not come before it in Dask's order is neither: not paced)
+    assert plugin.within | held <= {f"r-{k}" for k in range(6)}
+    assert not any(_unpaced_read(s.tasks[k], plugin.gates) for k in plugin.within | held)
+    await wait(future, timeout=20)
+    del future
+    await until(lambda: not s.tasks)
+    assert not plugin.gates.within and not plugin.gates.paced
