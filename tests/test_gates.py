@@ -270,6 +270,7 @@ class Pacing(SchedulerPlugin):
     plugin does, ``ahead`` device tasks ahead; no reads held."""
 
     name = "pacing"
+    reads_ahead = None
 
     def __init__(self, scheduler, ahead):
         self.scheduler, self.ahead = scheduler, ahead
@@ -278,8 +279,10 @@ class Pacing(SchedulerPlugin):
     def update_graph(self, scheduler, *, tasks=None, **kwargs):
         keys = [str(k) for k in tasks or ()]
         self.gates.pace(scheduler, [k for k in keys if k.startswith("c-")],
-                        [k for k in keys if k.startswith(("A-", "B-"))], None, self.ahead)
+                        [k for k in keys if k.startswith(("A-", "B-"))], self.reads_ahead,
+                        self.ahead)
         self.made = {k: gate for gate, held in self.gates.held.items() for k in held}
+        self.within = set(self.gates.within)
 
     def transition(self, key, start, finish, *args, **kwargs):
         self.gates.transition(self.scheduler, key, finish)
@@ -351,15 +354,10 @@ async def test_a_held_task_submitted_again_is_the_same_task_to_the_scheduler(c, 
 
 
 class ReadPacing(Pacing):
-    """Paces reads (``r-…``, read by copies only) ``reads_ahead`` device tasks ahead."""
+    """Paces reads (``r-…``, read by copies only) too, 2 device tasks ahead."""
 
     name = "read-pacing"
-
-    def update_graph(self, scheduler, *, tasks=None, **kwargs):
-        keys = [str(k) for k in tasks or ()]
-        self.gates.pace(scheduler, [k for k in keys if k.startswith("c-")],
-                        [k for k in keys if k.startswith("A-")], 2, self.ahead)
-        self.within = set(self.gates.within)
+    reads_ahead = 2
 
 
 @gen_cluster(client=True)
