@@ -959,11 +959,9 @@ class _Run:
         lane = slots if self.copies == "slot" else up
         gate = self.copies_from()
         ready = 0.0
-        copied = False
         for d in self.costs.deps[i]:
             there = self.on_gpu[d].get(g)
             if there is None:
-                copied = True
                 host = self._down(d, commit, slots, down)
                 seconds = self.machine.h2d_s(self.costs.nbytes[d])
                 start = max(host, lane[g], gate)
@@ -978,7 +976,7 @@ class _Run:
         if commit:
             self.gpu_free, self.up_free, self.down_free = slots, up, down
             self.on_gpu[i][g] = end
-            if copied or any(d in self.copied for d in self.costs.deps[i]):
+            if any(d in self.copied for d in self.costs.deps[i]):
                 # (the gate counts the device tasks that read a value copied to the device)
                 self.device_ends.append(end)
                 self._release_held()

@@ -292,23 +292,30 @@ def ident(*args):
     return 0
 
 
+def submit_blocks(c, stages, blocks):
+    """A graph of ``blocks`` chains, each through ``stages`` (key prefixes, first a root) and
+    into one output ``out``; submitted (its future)."""
+    from dask.delayed import Delayed
+
+    dsk = {}
+    for k in range(blocks):
+        dsk[f"{stages[0]}-{k}"] = (ident,)
+        for before, stage in zip(stages, stages[1:]):
+            dsk[f"{stage}-{k}"] = (ident, f"{before}-{k}")
+    dsk["out"] = (ident, *[f"{stages[-1]}-{k}" for k in range(blocks)])
+    return c.compute(Delayed("out", dsk), optimize_graph=False)
+
+
 @gen_cluster(client=True)
 async def test_a_copy_waits_for_the_copying_device_task_ahead_places_before(c, s, a, b):
     # each block: its copy c-k, the device task A-k reading it, then B-k reading A-k only. With
     # ahead 1 a copy waits for the previous block's A (old code counted B too: c-k waited for
     # B-(k-1)... and with chains of 6 device tasks a block, less than a block of copies ran ahead)
-    from dask.delayed import Delayed
     from distributed import wait
 
     plugin = Pacing(s, ahead=1)
     s.add_plugin(plugin)
-    dsk = {}
-    for k in range(4):
-        dsk[f"c-{k}"] = (ident,)
-        dsk[f"A-{k}"] = (ident, f"c-{k}")
-        dsk[f"B-{k}"] = (ident, f"A-{k}")
-    dsk["out"] = (ident, *[f"B-{k}" for k in range(4)])
-    future = c.compute(Delayed("out", dsk), optimize_graph=False)
+    future = submit_blocks(c, ("c", "A", "B"), 4)
     await until(lambda: "out" in s.tasks)
     order = [k for _, k in sorted((s.tasks[f"A-{k}"].priority, k) for k in range(4))]
     await wait(future, timeout=20)
@@ -366,20 +373,13 @@ async def test_the_reads_a_window_lets_run_count_as_paced_and_are_forgotten_with
     # the first reads_ahead reads are never held (they are the window), so the plugin's
     # warning of reads running ahead of a GPU worker counted them as unpaced and warned while
     # the plugin paced the graph
-    from dask.delayed import Delayed
     from distributed import wait
 
     from eugo_dask.plugin import _unpaced_read
 
     plugin = ReadPacing(s, ahead=100)
     s.add_plugin(plugin)
-    dsk = {}
-    for k in range(6):
-        dsk[f"r-{k}"] = (ident,)
-        dsk[f"c-{k}"] = (ident, f"r-{k}")
-        dsk[f"A-{k}"] = (ident, f"c-{k}")
-    dsk["out"] = (ident, *[f"A-{k}" for k in range(6)])
-    future = c.compute(Delayed("out", dsk), optimize_graph=False)
+    future = submit_blocks(c, ("r", "c", "A"), 6)
     await until(lambda: "out" in s.tasks)
     held = {k for keys in plugin.gates.held.values() for k in keys}
     assert len(plugin.within) == 2 and held and not plugin.within & held
