@@ -26,6 +26,7 @@ import copy
 import difflib
 import functools
 import logging
+import numbers
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -201,13 +202,13 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
             exclusive_minimum: bool = False) -> float:
     allowed = (f"a number {'>' if exclusive_minimum else '>='} {minimum:g}"
                + (f" and <= {maximum:g}" if maximum is not None else ""))
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be {allowed}; got {value!r}") from None
+    # a number, not text that reads as one: the whole-number settings refuse '2' as well (Dask
+    # parses DASK_EUGO__MIN_SPEEDUP=2 from the environment as the number 2)
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{key} must be {allowed}; got {value!r}")
+    number = float(value)
     low_ok = number > minimum if exclusive_minimum else number >= minimum
-    if (isinstance(value, (bool, np.bool_)) or not low_ok
-            or (maximum is not None and number > maximum)):
+    if not low_ok or (maximum is not None and number > maximum):
         raise ValueError(f"{key} must be {allowed}; got {value!r}")
     return number
 
