@@ -48,29 +48,47 @@ def scheduler_plugin(scheduler: Any, name: str) -> Any:
     return scheduler.plugins.get(name) if scheduler is not None else None
 
 
-def worker_resources(scheduler: Any) -> list[dict[str, Any]]:
-    """The resources each worker of ``scheduler`` advertises."""
-    return [dict(ws.resources) for ws in list(scheduler.workers.values())]
+#: A worker as the planner sees it: the resources it advertises and its threads.
+WorkerShape = tuple[dict[str, float], int]
 
 
-def gpu_task_slots(scheduler: Any, resource: str) -> list[tuple[float, int]]:
-    """For each worker of ``scheduler`` that advertises ``resource``: (its units, its threads);
-    empty without a scheduler."""
+def scheduler_workers(scheduler: Any) -> list[WorkerShape]:
+    """The workers of ``scheduler`` (:data:`WorkerShape`); empty without a scheduler."""
     if scheduler is None:
         return []
-    return [(float(ws.resources[resource]), int(ws.nthreads))
-            for ws in list(scheduler.workers.values()) if ws.resources.get(resource)]
+    return [(dict(ws.resources), int(ws.nthreads)) for ws in list(scheduler.workers.values())]
 
 
-def cpu_task_threads(scheduler: Any, resource: str) -> int:
-    """The threads of ``scheduler``'s workers that run host tasks: those of the workers that do
-    not advertise ``resource`` (where the eugo plugin keeps host work), or, where every worker
-    does, theirs less one per unit of it (at least one each); 0 without a scheduler."""
-    if scheduler is None:
-        return 0
-    workers = list(scheduler.workers.values())
-    plain = sum(int(ws.nthreads) for ws in workers if not ws.resources.get(resource))
-    return plain or sum(max(int(ws.nthreads) - int(ws.resources[resource]), 1) for ws in workers)
+def client_workers() -> list[WorkerShape] | None:
+    """The workers of the distributed cluster ``compute`` would run on now (the default
+    synchronous client's, as its scheduler reports them), or None where ``compute`` runs
+    elsewhere (a local scheduler, an asynchronous client, a scheduler that cannot be asked)."""
+    get = compute_get()
+    client = getattr(get, "__self__", None)
+    module = sys.modules.get("distributed.client")
+    if module is None or not isinstance(client, module.Client) or client.asynchronous:
+        return None
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except (OSError, RuntimeError, TimeoutError):  # closed or unreachable: plan for the profile
+        return None
+    return [(dict(w.get("resources") or {}), int(w.get("nthreads") or 0))
+            for w in (info.get("workers") or {}).values()]
+
+
+def gpu_task_slots(workers: list[WorkerShape], resource: str) -> list[tuple[float, int]]:
+    """For each worker that advertises ``resource``: (its units, its threads)."""
+    return [(float(resources[resource]), threads)
+            for resources, threads in workers if resources.get(resource)]
+
+
+def cpu_task_threads(workers: list[WorkerShape], resource: str) -> int:
+    """The threads of ``workers`` that run host tasks: those of the workers that do not
+    advertise ``resource`` (where the eugo plugin keeps host work), or, where every worker
+    does, theirs less one per unit of it (at least one each); 0 without workers."""
+    plain = sum(threads for resources, threads in workers if not resources.get(resource))
+    return plain or sum(max(threads - int(resources[resource]), 1)
+                        for resources, threads in workers)
 
 
 def read_slots(scheduler: Any) -> int:

@@ -41,14 +41,16 @@ from eugo_dask.config import (
     resolve_profile,
 )
 from eugo_dask.context import (
+    WorkerShape,
+    client_workers,
     cpu_task_threads,
     gpu_task_slots,
     local_scheduler,
     read_slots,
     running_scheduler,
     scheduler_plugin,
+    scheduler_workers,
     tell_scheduler,
-    worker_resources,
 )
 from eugo_dask.describe import GraphDescription, describe_graph
 from eugo_dask.graph import ChunkInfo, Key, flatten_keys, task_spec_dict
@@ -88,7 +90,7 @@ def _current_settings() -> Settings:
     scheduler = running_scheduler()
     if scheduler is None:
         return frozen.resolved()
-    workers = worker_resources(scheduler)
+    workers = [resources for resources, _ in scheduler_workers(scheduler)]
     if not any(resources.get(frozen.resource) for resources in workers):
         if frozen.device != "none" and gpu_workers_on_demand():
             # GPU workers start when GPU work waits (an autoscaled group at zero): plan for them
@@ -174,20 +176,21 @@ def _layer_shares(description: GraphDescription, keys: Key | NestedKeys, profile
     return [shares.get(g) for g in of_task]
 
 
-def _machine(settings: Settings, profile: Profile) -> Machine:
-    """The machine a graph runs on, for ``eugo.dispatch: balanced``: on a distributed scheduler
-    with GPU workers, the threads that run host tasks there
-    (:func:`~eugo_dask.context.cpu_task_threads`) and a device per GPU worker and device its
-    process drives; elsewhere the profile's machine (its threads and GPUs). The links are the
-    profile's."""
-    if current_submission() is not None:
-        scheduler = running_scheduler()
-        slots = gpu_task_slots(scheduler, settings.resource)
-        if slots:
-            devices = _devices_per_process(settings, profile)
-            return Machine.from_profile(
-                profile, cpu_threads=max(cpu_task_threads(scheduler, settings.resource), 1),
-                gpus=sum(min(devices, max(int(units), 1)) for units, _ in slots))
+def _machine(settings: Settings, profile: Profile,
+             workers: list[WorkerShape] | None = None) -> Machine:
+    """The machine a graph runs on, for ``eugo.dispatch: balanced`` and the schedule's
+    figures: with GPU workers (those of ``workers``; by default, on a distributed scheduler, its
+    own), the threads that run host tasks there (:func:`~eugo_dask.context.cpu_task_threads`)
+    and a device per GPU worker and device its process drives; elsewhere the profile's machine
+    (its threads and GPUs). The links are the profile's."""
+    if workers is None and current_submission() is not None:
+        workers = scheduler_workers(running_scheduler())
+    slots = gpu_task_slots(workers or [], settings.resource)
+    if slots:
+        devices = _devices_per_process(settings, profile)
+        return Machine.from_profile(
+            profile, cpu_threads=max(cpu_task_threads(workers or [], settings.resource), 1),
+            gpus=sum(min(devices, max(int(units), 1)) for units, _ in slots))
     return Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
 
 
@@ -204,7 +207,7 @@ def _gpu_tasks_per_device(settings: Settings, profile: Profile) -> int:
     ``eugo.emulated.devices``), which a cluster's workers are assumed to share."""
     devices = _devices_per_process(settings, profile)
     if current_submission() is not None:
-        slots = gpu_task_slots(running_scheduler(), settings.resource)
+        slots = gpu_task_slots(scheduler_workers(running_scheduler()), settings.resource)
         return max((math.ceil(min(units, threads) / min(devices, max(int(units), 1)))
                     for units, threads in slots), default=1)
     local = local_scheduler()
@@ -230,7 +233,8 @@ def _read_window(settings: Settings) -> tuple[int, int] | None:
         return None
     scheduler = running_scheduler()
     slots = sum(min(int(units), threads)
-                for units, threads in gpu_task_slots(scheduler, settings.resource))
+                for units, threads in gpu_task_slots(scheduler_workers(scheduler),
+                                                     settings.resource))
     if not slots:
         return None
     return (read_slots(scheduler) + settings.read_ahead * slots,
@@ -488,8 +492,10 @@ def explain(*collections: Any, machine: Machine | None = None, **settings: Any) 
     machine
         The machine to hold the plan against (:class:`~eugo_dask.schedule.Machine`: CPU
         threads, GPUs, links): its predicted makespan and lower bound, and under
-        ``eugo.dispatch: balanced`` the split that places the layers. None: the profile's
-        machine (its threads and GPUs).
+        ``eugo.dispatch: balanced`` the split that places the layers. None: the machine the
+        graph would run on: where ``compute`` would run on a distributed client's cluster with
+        GPU workers, its threads and devices as the scheduler plans for them
+        (:func:`_machine`); elsewhere the profile's machine (its threads and GPUs).
     **settings
         ``eugo.*`` settings for this call, with underscores: ``min_speedup=0``,
         ``profile="t4"``, ``device="emulated"``.
@@ -528,6 +534,10 @@ def explain(*collections: Any, machine: Machine | None = None, **settings: Any) 
     if machine is not None and not isinstance(machine, Machine):
         raise TypeError("explain()'s machine must be an eugo_dask.schedule.Machine; got "
                         f"{type(machine).__name__}")
+    if machine is None:
+        workers = client_workers()
+        if workers:
+            machine = _machine(current, described.profile, workers)
     plan = described.place(current, machine=machine)
     all_gpu = described.place(Settings(**{**current.to_dict(), "min_speedup": 0.0}))
     plan.totals["all_gpu"] = all_gpu.totals["as_chosen"]

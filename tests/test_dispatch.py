@@ -224,11 +224,18 @@ def test_balanced_places_for_the_cluster_it_runs_on(tmp_path):
         with dask.config.set({**SETTINGS, "eugo.min-speedup": 2}):  # static: on the CPU
             np.testing.assert_array_equal(client.compute(x).result(timeout=120), expected)
         assert not [k for k, role, _ in placements(client) if role == "gpu"]
+        with dask.config.set({**balanced, "eugo.device": "none"}):
+            # explain() with the client connected plans for its cluster too (it planned for
+            # the profile's machine: nothing on the GPU, where compute ran every chunk there)
+            plan = explain(x)
+        shape = plan.schedule.machine
+        assert (shape.cpu_threads, shape.gpus) == (1, 2), shape
         with dask.config.set(balanced):
             result = client.compute(x).result(timeout=120)
         assert type(result) is np.ndarray and result.dtype == expected.dtype
         np.testing.assert_array_equal(result, expected)
         ran = [(key_split(k), w) for k, role, w in placements(client) if role == "gpu"]
         assert ran and {w for _, w in ran} <= {"gpu-1", "gpu-2"}, ran
+        assert len(plan.gpu_keys) == len(ran)
         assert client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.plugins["eugo"].errors) == 0
