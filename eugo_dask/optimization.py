@@ -190,7 +190,8 @@ def _machine(settings: Settings, profile: Profile,
         devices = _devices_per_process(settings, profile)
         return Machine.from_profile(
             profile, cpu_threads=max(cpu_task_threads(workers or [], settings.resource), 1),
-            gpus=sum(min(devices, max(int(units), 1)) for units, _ in slots))
+            gpus=sum(min(devices, max(int(units), 1)) for units, _ in slots),
+            name="the cluster's workers")
     return Machine.from_profile(profile, gpus=max(int(profile.gpu.count), 1))
 
 

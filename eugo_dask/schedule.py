@@ -1209,7 +1209,8 @@ class Summary:
         binding = " and ".join(k for k, v in b.parts.items() if v >= 0.99 * b.seconds) \
             or "copies and path together"
         gpus = f"{m.gpus} GPU" + ("s" if m.gpus != 1 else "")
-        return (f"on {m.cpu_threads} CPU threads and {gpus} ({self.origin}): "
+        threads = f"{m.cpu_threads} CPU thread" + ("s" if m.cpu_threads != 1 else "")
+        return (f"on {threads} and {gpus} ({self.origin}): "
                 f"predicted makespan {format_seconds(s.makespan_s)}, lower bound "
                 f"{format_seconds(b.seconds)} ({ratio:.2f}x; bound by {binding}, "
                 f"{b.gpu_share:.0%} of the device-capable work on the GPU); busy "

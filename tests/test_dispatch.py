@@ -230,6 +230,7 @@ def test_balanced_places_for_the_cluster_it_runs_on(tmp_path):
             plan = explain(x)
         shape = plan.schedule.machine
         assert (shape.cpu_threads, shape.gpus) == (1, 2), shape
+        assert "on 1 CPU thread and 2 GPUs (the cluster's workers)" in plan.schedule.text()
         with dask.config.set(balanced):
             result = client.compute(x).result(timeout=120)
         assert type(result) is np.ndarray and result.dtype == expected.dtype
