@@ -41,8 +41,10 @@ from eugo_dask.graph import ChunkInfo, Key, culled
 #: relies on ``Expr.optimize`` being what every compute and persist calls last on the client,
 #: and on the expression being materialized by its ``__dask_graph__``/``__dask_annotations__``.
 #: (2026.7: the images' Dask, pinned by dask-cuda; its dask/_expr.py, dask/base.py,
-#: dask/array/_array_expr and distributed/client.py are 2026.8's.)
-TESTED_DASK = ("2026.7", "2026.8")
+#: dask/array/_array_expr and distributed/client.py are 2026.8's. 2026.11: dask/base.py and
+#: dask/array/_array_expr are 2026.8's, dask/_expr.py differs in ``analyze``'s annotation only,
+#: distributed/client.py in ``scheduler_info``'s return value only.)
+TESTED_DASK = ("2026.7", "2026.8", "2026.11")
 
 
 def array_expressions_enabled() -> bool:
