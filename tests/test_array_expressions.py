@@ -137,6 +137,23 @@ def test_the_hook_is_version_pinned_and_only_acts_with_eugo_on():
         "explain": [None, 9], "upstream": False}  # what eugo would do; the graph runs unchanged
 
 
+def test_the_dask_eugo_installs_with_is_one_the_hook_was_tested_with():
+    """pyproject.toml's highest Dask and distributed are the release after the newest of
+    TESTED_DASK: an install (and CI) never gets a Dask whose array expressions eugo would stand
+    aside from (CI installed Dask 2026.11 when the hook knew 2026.8 at most, and its
+    expression-mode tests failed)."""
+    import re
+
+    from eugo_dask.array_expressions import TESTED_DASK
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    newest = max(tuple(map(int, v.split("."))) for v in TESTED_DASK)
+    following = f"{newest[0]}.{newest[1] + 1}" if newest[1] < 12 else f"{newest[0] + 1}"
+    for name in ("dask[array]", "distributed"):
+        bounds = re.findall(rf'"{re.escape(name)}>=[0-9.]+,<([0-9.]+)"', text)
+        assert bounds == [following], (name, bounds, TESTED_DASK)
+
+
 def test_legacy_mode_is_left_alone():
     out = json.loads(_child(["-c", _HOOK_CODE.format(before="")], expressions=False))
     assert out == {"warnings": [], "hook": False, "same": True, "device ran": True,
