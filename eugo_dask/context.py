@@ -68,8 +68,12 @@ def client_workers() -> list[WorkerShape] | None:
     module = sys.modules.get("distributed.client")
     if module is None or not isinstance(client, module.Client) or client.asynchronous:
         return None
+    if client.status != "running" or client.scheduler is None:
+        return None
     try:
-        info = client.scheduler_info(n_workers=-1)
+        # the scheduler's answer itself: scheduler_info() returns the client's cached identity,
+        # which its periodic refresh (n_workers=0, no workers) may have replaced meanwhile
+        info = client.sync(client.scheduler.identity, n_workers=-1)
     except (OSError, RuntimeError, TimeoutError):  # closed or unreachable: plan for the profile
         return None
     return [(dict(w.get("resources") or {}), int(w.get("nthreads") or 0))

@@ -240,3 +240,23 @@ def test_balanced_places_for_the_cluster_it_runs_on(tmp_path):
         assert len(plan.gpu_keys) == len(ran)
         assert client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.plugins["eugo"].errors) == 0
+
+
+@pytest.mark.timeout(120)
+def test_explain_reads_the_clusters_workers_not_the_clients_refreshed_cache():
+    """The client's cached scheduler identity is replaced every refresh interval by one without
+    workers (distributed asks for n_workers=0); explain() must ask the scheduler itself, or it
+    plans, now and then, for the profile's machine instead of the cluster's."""
+    from distributed import Client, LocalCluster
+
+    from eugo_dask.context import client_workers
+
+    with dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                         dashboard_address=":0", resources={"GPU": 1}) as cluster, \
+            Client(cluster):
+        seen = []
+        for _ in range(200):
+            seen.append(client_workers())
+            time.sleep(0.002)
+    assert all(w == [({"GPU": 1.0}, 1)] * 2 for w in seen), [w for w in seen if len(w or ()) != 2]
