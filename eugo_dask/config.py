@@ -23,9 +23,11 @@ import:
 from __future__ import annotations
 
 import copy
+import decimal
 import difflib
 import functools
 import logging
+import math
 import numbers
 import os
 from collections.abc import Callable, Mapping
@@ -203,8 +205,12 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
     allowed = (f"a number {'>' if exclusive_minimum else '>='} {minimum:g}"
                + (f" and <= {maximum:g}" if maximum is not None else ""))
     # a number, not text that reads as one: the whole-number settings refuse '2' as well (Dask
-    # parses DASK_EUGO__MIN_SPEEDUP=2 from the environment as the number 2)
-    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+    # parses DASK_EUGO__MIN_SPEEDUP=2 from the environment as the number 2). Infinity is the
+    # one number the environment cannot spell as a literal, so 'inf' and 'infinity' are read
+    if isinstance(value, str) and value.strip().lower().lstrip("+") in ("inf", "infinity"):
+        value = math.inf
+    if (not isinstance(value, (numbers.Real, decimal.Decimal))
+            or isinstance(value, (bool, np.bool_))):
         raise ValueError(f"{key} must be {allowed}; got {value!r}")
     number = float(value)
     low_ok = number > minimum if exclusive_minimum else number >= minimum

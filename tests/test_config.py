@@ -119,6 +119,26 @@ def test_environment_variables():
     assert out == ["3.5", "emulated"]
 
 
+def test_infinity_from_the_environment_and_other_number_types():
+    """Dask reads DASK_EUGO__MIN_SPEEDUP=inf as the text 'inf' (no Python literal spells
+    infinity): it means infinity, as min-speedup's docs say; a Decimal or Fraction is a number."""
+    import decimal
+    import fractions
+
+    code = ("import eugo_dask; from eugo_dask.config import read_settings; s = read_settings(); "
+            "print(s.min_speedup, s.dual_from)")
+    env = {**os.environ, "DASK_EUGO__MIN_SPEEDUP": "inf", "DASK_EUGO__DUAL_FROM": "Infinity"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["inf", "inf"]
+    for value in (decimal.Decimal("2.5"), fractions.Fraction(5, 2)):
+        with dask.config.set({"eugo.min-speedup": value}):
+            assert read_settings().min_speedup == 2.5
+    with dask.config.set({"eugo.min-speedup": "-inf"}), pytest.raises(
+            ValueError, match=r"eugo.min-speedup must be a number >= 0; got '-inf'"):
+        read_settings()
+
+
 def test_device_settings_from_config():
     from eugo_dask.config import device_settings, emulated_device_count
 
