@@ -59,6 +59,11 @@ def scheduler_workers(scheduler: Any) -> list[WorkerShape]:
     return [(dict(ws.resources), int(ws.nthreads)) for ws in list(scheduler.workers.values())]
 
 
+#: Seconds ``explain()`` waits for the scheduler to say which workers it has (a scheduler that
+#: does not answer in that time is planned for as the profile's machine).
+SCHEDULER_TIMEOUT_S = 5.0
+
+
 def client_workers() -> list[WorkerShape] | None:
     """The workers of the distributed cluster ``compute`` would run on now (the default
     synchronous client's, as its scheduler reports them), or None where ``compute`` runs
@@ -73,8 +78,10 @@ def client_workers() -> list[WorkerShape] | None:
     try:
         # the scheduler's answer itself: scheduler_info() returns the client's cached identity,
         # which its periodic refresh (n_workers=0, no workers) may have replaced meanwhile
-        info = client.sync(client.scheduler.identity, n_workers=-1)
-    except (OSError, RuntimeError, TimeoutError):  # closed or unreachable: plan for the profile
+        info = client.sync(client.scheduler.identity, n_workers=-1,
+                           callback_timeout=SCHEDULER_TIMEOUT_S)
+    except (OSError, RuntimeError, TimeoutError):  # closed, unreachable or not answering:
+        # plan for the profile
         return None
     return [(dict(w.get("resources") or {}), int(w.get("nthreads") or 0))
             for w in (info.get("workers") or {}).values()]

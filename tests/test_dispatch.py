@@ -260,3 +260,30 @@ def test_explain_reads_the_clusters_workers_not_the_clients_refreshed_cache():
             seen.append(client_workers())
             time.sleep(0.002)
     assert all(w == [({"GPU": 1.0}, 1)] * 2 for w in seen), [w for w in seen if len(w or ()) != 2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_explain_does_not_wait_forever_on_a_scheduler_that_does_not_answer(tmp_path, monkeypatch):
+    """A scheduler stopped (SIGSTOP: alive, its socket open, nothing answered): explain() plans
+    for the profile's machine after eugo_dask.context.SCHEDULER_TIMEOUT_S (it waited forever)."""
+    import signal
+
+    from eugo_dask import context
+
+    from .cluster import process_cluster
+
+    monkeypatch.setattr(context, "SCHEDULER_TIMEOUT_S", 1.0)
+    with process_cluster(tmp_path, workers={"cpu": {"nthreads": 1}}) as (cluster, client):
+        assert context.client_workers() == [({}, 1)]
+        scheduler = cluster.procs["scheduler"]
+        scheduler.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with dask.config.set({"eugo.device": "none"}):
+                plan = explain(da.ones(10, chunks=5) + 1)
+            assert time.monotonic() - started < 30
+            assert context.client_workers() is None
+        finally:
+            scheduler.send_signal(signal.SIGCONT)
+    assert plan.schedule.machine.gpus == 1  # the profile's machine: its one GPU
