@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import os
 import pickle
 import re
@@ -59,6 +60,9 @@ def test_defaults_registered():
         ("eugo.dual-from", "4", r"eugo.dual-from must be a number >= 0; got '4'"),
         ("eugo.min-speedup", float("nan"), r"eugo.min-speedup must be a number >= 0; got nan"),
         ("eugo.min-speedup", True, r"eugo.min-speedup must be a number >= 0; got True"),
+        ("eugo.min-speedup", decimal.Decimal("sNaN"), r"eugo.min-speedup must be a number >= 0; got Decimal\('sNaN'\)"),
+        ("eugo.min-speedup", "++inf", r"eugo.min-speedup must be a number >= 0; got '\+\+inf'"),
+        ("eugo.device-memory-fraction", "inf", r"eugo.device-memory-fraction must be a number > 0 and <= 1; got 'inf'"),
         ("eugo.min-speedup", np.True_, r"eugo.min-speedup must be a number >= 0; got np.True_"),
         ("eugo.device-memory-fraction", 0, r"eugo.device-memory-fraction must be a number > 0 and <= 1; got 0"),
         ("eugo.device-memory-fraction", 1.5, r"eugo.device-memory-fraction must be a number > 0 and <= 1"),
