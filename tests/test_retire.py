@@ -78,7 +78,9 @@ def test_retiring_the_gpu_worker_where_cpu_workers_have_no_cupy(tmp_path):
 @pytest.mark.parametrize("move", ["retire", "replicate"])
 def test_device_values_leave_a_gpu_worker_as_host_arrays(tmp_path, move):
     workers = {"gpu-1": {"gpu": True}, "gpu-2": {"gpu": True}, **CPU_WORKERS_WITHOUT_CUPY}
-    with process_cluster(tmp_path, workers=workers) as (cluster, client):
+    # (the active memory manager off: its pass every 2 s drops the replicas replicate made)
+    no_amm = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
+    with process_cluster(tmp_path, workers=workers, scheduler_env=no_amm) as (cluster, client):
         gpu_1 = address_of(client, "gpu-1")
         futures = [client.submit(device_array, i, workers=[gpu_1], key=eugo_key(i))
                    for i in range(12)]
