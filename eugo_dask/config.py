@@ -207,19 +207,19 @@ def _number(key: str, value: Any, *, minimum: float, maximum: float | None = Non
     # a number, not text that reads as one: the whole-number settings refuse '2' as well (Dask
     # parses DASK_EUGO__MIN_SPEEDUP=2 from the environment as the number 2). Infinity is the
     # one number the environment cannot spell as a literal, so 'inf' and 'infinity' are read
-    given = value
+    refused = ValueError(f"{key} must be {allowed}; got {value!r}")
     if isinstance(value, str) and value.strip().lower() in ("inf", "+inf", "infinity", "+infinity"):
         value = math.inf
     if (not isinstance(value, (numbers.Real, decimal.Decimal))
             or isinstance(value, (bool, np.bool_))):
-        raise ValueError(f"{key} must be {allowed}; got {given!r}")
+        raise refused
     try:
         number = float(value)
     except (ValueError, ArithmeticError):  # a signalling Decimal NaN
-        raise ValueError(f"{key} must be {allowed}; got {given!r}") from None
+        raise refused from None
     low_ok = number > minimum if exclusive_minimum else number >= minimum
     if not low_ok or (maximum is not None and number > maximum):
-        raise ValueError(f"{key} must be {allowed}; got {given!r}")
+        raise refused
     return number
 
 

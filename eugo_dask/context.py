@@ -71,9 +71,8 @@ def client_workers() -> list[WorkerShape] | None:
     get = compute_get()
     client = getattr(get, "__self__", None)
     module = sys.modules.get("distributed.client")
-    if module is None or not isinstance(client, module.Client) or client.asynchronous:
-        return None
-    if client.status != "running" or client.scheduler is None:
+    if (module is None or not isinstance(client, module.Client) or client.asynchronous
+            or client.status != "running" or client.scheduler is None):
         return None
     try:
         # the scheduler's answer itself: scheduler_info() returns the client's cached identity,

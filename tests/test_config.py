@@ -126,7 +126,6 @@ def test_environment_variables():
 def test_infinity_from_the_environment_and_other_number_types():
     """Dask reads DASK_EUGO__MIN_SPEEDUP=inf as the text 'inf' (no Python literal spells
     infinity): it means infinity, as min-speedup's docs say; a Decimal or Fraction is a number."""
-    import decimal
     import fractions
 
     code = ("import eugo_dask; from eugo_dask.config import read_settings; s = read_settings(); "

@@ -51,7 +51,7 @@ def type_name(value):
 
 def held_types(dask_worker):
     """{key: the type name of the value this worker holds under it}."""
-    return {key: type(value).__name__ for key, value in dask_worker.data.items()}
+    return {key: type_name(value) for key, value in dask_worker.data.items()}
 
 
 def test_retiring_the_gpu_worker_where_cpu_workers_have_no_cupy(tmp_path):
